@@ -1,0 +1,131 @@
+"""The `rlscale` command. Thin: parse, validate, hand over to the library."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rlscale.errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="GRPO post-training of language models with verifiable rewards.")
+
+CONFIG_OPTION = typer.Option(None, "--config", "-c", help="YAML config file")
+OVERRIDES_ARG = typer.Argument(None, help="dotted overrides, e.g. grpo.max_num_steps=20", show_default=False)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"rlscale: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _print_resolved(cfg) -> None:
+    from rlscale.config import derive_sizes
+
+    typer.echo(cfg.to_yaml().rstrip())
+    typer.echo("# derived sizes")
+    for key, value in derive_sizes(cfg).as_dict().items():
+        typer.echo(f"#   {key}: {value}")
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def train(
+    overrides: Optional[list[str]] = OVERRIDES_ARG,
+    config: Optional[Path] = CONFIG_OPTION,
+    dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the resolved config, then stop"),
+) -> None:
+    """Run GRPO (the built-in tiny arithmetic job when given no arguments)."""
+    from rlscale.config import load_config
+
+    cfg = load_config(config, overrides or [])
+    if dry_run:
+        _print_resolved(cfg)
+        return
+    from rlscale.controller import train as run_training
+
+    summary = run_training(cfg)
+    typer.echo(json.dumps(summary, indent=2))
+
+
+@app.command("eval")
+def evaluate_cmd(
+    overrides: Optional[list[str]] = OVERRIDES_ARG,
+    model: Optional[str] = typer.Option(None, "--model", help="model id/path (default: policy.model_name)"),
+    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="a committed step_N directory"),
+    config: Optional[Path] = CONFIG_OPTION,
+    k: int = typer.Option(1, "--k", min=1, help="samples per problem for pass@k"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="default: 0 for k=1, else policy's"),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="held-out problems to use"),
+) -> None:
+    """Accuracy and pass@k on the held-out set, for a model or a checkpoint."""
+    from rlscale.config import load_config
+
+    cfg = load_config(config, overrides or [])
+    if checkpoint is not None and model is not None:
+        raise UserError("give --model or --checkpoint, not both")
+    from rlscale.ckpt.layout import verify_step_dir
+
+    if checkpoint is not None:
+        verdict = verify_step_dir(checkpoint)
+        if not verdict.ok:
+            raise UserError(f"checkpoint {str(checkpoint)!r} is not usable: {verdict.reason}")
+        model = str(checkpoint / "policy")
+    updates = {"loss": cfg.loss.model_copy(update={"reference_policy_kl_penalty": 0.0})}
+    if model is not None:
+        updates["policy"] = cfg.policy.model_copy(update={"model_name": model, "tokenizer_name": None})
+    cfg = cfg.model_copy(update=updates)
+    from rlscale.controller import sampling_params
+    from rlscale.data import build_datasets
+    from rlscale.evaluate import evaluate
+    from rlscale.rewards import RewardScorer
+    from rlscale.workers.group import LocalWorkerGroup
+    from rlscale.workers.policy import PolicyWorker
+
+    problems = build_datasets(cfg.data, cfg.grpo.seed).val
+    problems = problems[:limit] if limit else problems
+    if temperature is None:
+        temperature = 0.0 if k == 1 else cfg.policy.generation.temperature
+    if k > 1 and temperature == 0:
+        raise UserError("--k > 1 needs --temperature > 0: greedy samples are all the same")
+    with RewardScorer(cfg.rewards.function, cfg.rewards.timeout_s, cfg.rewards.num_workers) as scorer:
+        group = LocalWorkerGroup(lambda rank, size: PolicyWorker(cfg, rank, size), 1)
+        result = evaluate(group, problems, scorer, sampling_params(cfg, temperature), k=k)
+    typer.echo(json.dumps({"model": cfg.policy.model_name, "temperature": temperature, **result.__dict__}, indent=2))
+
+
+@app.command()
+def sft(
+    out: Path = typer.Option(Path("rlscale/assets/tiny-arith"), "--out", help="output model directory"),
+    steps: int = typer.Option(None, "--steps", min=1, help="optimizer steps"),
+    slip_rate: float = typer.Option(None, "--slip-rate", min=0.0, max=1.0,
+                                    help="share of carry problems shown with the carry forgotten"),
+    seed: int = typer.Option(None, "--seed"),
+) -> None:
+    """Rebuild the built-in tiny model: a supervised warm start on the arithmetic task."""
+    from rlscale.sft import SFTSettings, run_sft
+
+    settings = SFTSettings()
+    for name, value in (("steps", steps), ("slip_rate", slip_rate), ("seed", seed)):
+        if value is not None:
+            setattr(settings, name, value)
+    path = run_sft(out, settings)
+    typer.echo(f"wrote {path}")
+
+
+def main() -> None:
+    try:
+        app()
+    except UserError as exc:
+        typer.echo(f"rlscale: error: {exc}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        typer.echo("rlscale: interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

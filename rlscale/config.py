@@ -1,0 +1,297 @@
+"""One typed config tree for a GRPO run.
+
+Defaults live here and nowhere else; they describe the built-in default job (the shipped tiny
+model on the arithmetic task). Keys follow NeMo-RL's names so its command lines read naturally.
+A config is built from defaults, then an optional YAML file, then dotted `key.sub=value`
+overrides; every value is checked before anything heavy is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rlscale.errors import UserError
+
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class GenerationConfig(_Section):
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0 = greedy)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    top_k: int | None = Field(None, ge=1, description="keep only the k most likely tokens")
+    max_new_tokens: int = Field(16, ge=1, description="longest response, in tokens")
+    stop_strings: list[str] = Field(default_factory=list, description="end a response at these strings")
+
+
+class OptimizerConfig(_Section):
+    lr: float = Field(2e-4, gt=0.0, description="AdamW peak learning rate")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
+
+
+class SchedulerConfig(_Section):
+    warmup_steps: int = Field(5, ge=0, description="linear LR warm-up, in optimizer steps; constant after")
+
+
+class PolicyConfig(_Section):
+    model_name: str = Field("builtin:tiny-arith", description="HF hub id, local path, or builtin:NAME")
+    tokenizer_name: str | None = Field(None, description="tokenizer id/path; default: model_name")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights dtype; auto = bfloat16 on CUDA, float32 on CPU")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when present")
+    prompt_format: Literal["auto", "chat", "plain"] = Field(
+        "auto", description="auto = tokenizer's chat template when it has one, else plain text")
+    trust_remote_code: bool = Field(False, description="allow model code from the hub")
+    train_global_batch_size: int = Field(128, ge=1, description="samples per optimizer step")
+    train_micro_batch_size: int | None = Field(
+        None, ge=1, description="samples per forward/backward per worker; null = largest divisor of the per-worker batch ≤ 32")
+    max_total_sequence_length: int = Field(256, ge=8, description="prompt + response tokens")
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="gradient clipping; null disables")
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+
+class LossConfig(_Section):
+    ratio_clip_min: float = Field(0.2, ge=0.0, lt=1.0, description="clip ratio below at 1 - this")
+    ratio_clip_max: float = Field(0.2, ge=0.0, description="clip ratio above at 1 + this")
+    reference_policy_kl_penalty: float = Field(
+        0.01, ge=0.0, description="k3 KL weight (beta); 0 drops the reference model")
+    token_level_loss: bool = Field(True, description="mean over all tokens of the global batch")
+
+
+class GRPOConfig(_Section):
+    num_prompts_per_step: int = Field(32, ge=1, description="prompts sampled per GRPO step")
+    num_generations_per_prompt: int = Field(8, ge=2, description="group size")
+    max_num_steps: int = Field(120, ge=1, description="GRPO steps in the run")
+    normalize_rewards: bool = Field(True, description="divide advantages by the group std where non-zero")
+    use_leave_one_out_baseline: bool = Field(True, description="baseline = mean of the other samples")
+    val_period: int = Field(0, ge=0, description="validate every N steps; 0 = only at start/end")
+    val_at_start: bool = Field(True, description="validate before the first step")
+    val_at_end: bool = Field(True, description="validate after the last step")
+    max_val_samples: int = Field(256, ge=1, description="held-out problems per validation")
+    val_temperature: float = Field(0.0, ge=0.0, description="validation sampling temperature (0 = greedy)")
+    seed: int = Field(42, description="seeds data order, sampling and initialisation")
+
+
+class ArithmeticConfig(_Section):
+    max_operand: int = Field(99, ge=1, description="operands are drawn from 0..max_operand")
+    operations: str = Field("+", pattern=r"^[+\-*]+$", description="operators to draw from")
+    num_val_problems: int = Field(256, ge=1, description="held-out problems, never used for training")
+    seed: int = Field(1234, description="seeds the problem stream and the held-out set (fixed across runs)")
+
+
+class DataConfig(_Section):
+    dataset_name: str = Field(
+        "arithmetic",
+        description="arithmetic, DeepScaler, gsm8k, OpenMathInstruct-2, jsonl, parquet or huggingface")
+    train_path: str | None = Field(None, description="jsonl/parquet training file")
+    val_path: str | None = Field(None, description="jsonl/parquet held-out file")
+    hf_name: str | None = Field(None, description="dataset id for dataset_name=huggingface")
+    hf_subset: str | None = Field(None, description="dataset config name")
+    train_split: str = Field("train", description="split used for training")
+    val_split: str | None = Field(None, description="held-out split; default: carve val_size off train")
+    val_size: int = Field(256, ge=1, description="problems carved off train when no held-out set exists")
+    prompt_key: str | None = Field(None, description="field holding the problem; default per preset")
+    answer_key: str | None = Field(None, description="field holding the answer; default per preset")
+    prompt_template: str | None = Field(None, description="'{problem}' template; default per preset")
+    shuffle: bool = Field(True, description="reshuffle every epoch")
+    arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
+
+
+class RewardsConfig(_Section):
+    function: str = Field("math", description="'math' (math-verify on \\boxed{}) or 'module:function'")
+    timeout_s: float = Field(5.0, gt=0.0, description="per-sample time limit for scoring")
+    num_workers: int = Field(2, ge=1, description="scoring processes")
+
+
+class ClusterConfig(_Section):
+    num_nodes: int = Field(1, ge=1, description="nodes")
+    gpus_per_node: int = Field(1, ge=1, description="workers (GPUs) per node")
+
+
+class CheckpointingConfig(_Section):
+    enabled: bool = Field(True, description="save checkpoints")
+    checkpoint_dir: str | None = Field(None, description="default: <logger.log_dir>/checkpoints")
+    save_period: int = Field(20, ge=1, description="save every N steps (and at the end)")
+    keep_top_k: int | None = Field(2, ge=1, description="best checkpoints kept; newest is always kept")
+    metric_name: str | None = Field(None, description="metric ranking checkpoints; null = recency")
+    higher_is_better: bool = Field(True, description="direction of metric_name")
+    resume: bool = Field(True, description="resume from the newest complete checkpoint")
+
+
+class LoggerConfig(_Section):
+    log_dir: str = Field("runs/default", description="run directory: config, metrics, summary")
+    tensorboard_enabled: bool = Field(False, description="write TensorBoard events to <log_dir>/tensorboard")
+    wandb_enabled: bool = Field(False, description="log to Weights & Biases (needs wandb installed)")
+    progress: bool = Field(True, description="live progress display on the terminal")
+
+
+class Config(_Section):
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> Config:
+        derive_sizes(self)  # raises ValueError on impossible combinations
+        return self
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        if self.checkpointing.checkpoint_dir:
+            return Path(self.checkpointing.checkpoint_dir)
+        return Path(self.logger.log_dir) / "checkpoints"
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def digest(self) -> str:
+        """Short hash of the resolved config, recorded with every checkpoint."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class DerivedSizes:
+    world_size: int
+    samples_per_step: int
+    optimizer_steps_per_grpo_step: int
+    samples_per_worker_per_optimizer_step: int
+    micro_batch_size: int
+    micro_batches_per_optimizer_step: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def derive_sizes(cfg: Config) -> DerivedSizes:
+    """Batch arithmetic, computed once; raises ValueError naming the key at fault."""
+    world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+    samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    gbs = cfg.policy.train_global_batch_size
+    mbs = cfg.policy.train_micro_batch_size
+    if samples % gbs:
+        raise ValueError(
+            f"policy.train_global_batch_size={gbs} must divide grpo.num_prompts_per_step × "
+            f"grpo.num_generations_per_prompt = {samples}")
+    if gbs % world:
+        raise ValueError(
+            f"policy.train_global_batch_size={gbs} must be a multiple of the worker count "
+            f"cluster.num_nodes × cluster.gpus_per_node = {world}")
+    per_worker = gbs // world
+    if mbs is None:
+        mbs = max(d for d in range(1, min(per_worker, 32) + 1) if per_worker % d == 0)
+    if per_worker % mbs:
+        raise ValueError(
+            f"policy.train_micro_batch_size={mbs} must divide the per-worker batch "
+            f"train_global_batch_size / workers = {per_worker}")
+    if cfg.policy.generation.max_new_tokens >= cfg.policy.max_total_sequence_length:
+        raise ValueError(
+            f"policy.generation.max_new_tokens={cfg.policy.generation.max_new_tokens} leaves no room "
+            f"for the prompt in policy.max_total_sequence_length={cfg.policy.max_total_sequence_length}")
+    if cfg.checkpointing.metric_name is not None and cfg.checkpointing.keep_top_k is None:
+        raise ValueError("checkpointing.metric_name needs checkpointing.keep_top_k to rank by")
+    return DerivedSizes(
+        world_size=world,
+        samples_per_step=samples,
+        optimizer_steps_per_grpo_step=samples // gbs,
+        samples_per_worker_per_optimizer_step=per_worker,
+        micro_batch_size=mbs,
+        micro_batches_per_optimizer_step=per_worker // mbs,
+    )
+
+
+# ---------------------------------------------------------------- loading and overrides
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise UserError(f"override {dotted!r}: {key!r} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'grpo.max_num_steps=20' -> ('grpo.max_num_steps', 20); values are read as YAML scalars."""
+    key, sep, raw = text.partition("=")
+    key = key.strip().lstrip("+")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise UserError(f"override {text!r} is not of the form key.sub=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return f"unknown config key {loc!r}"
+    if first["type"] == "value_error" and not loc:
+        return str(first["ctx"]["error"]) if "ctx" in first else first["msg"]
+    got = first.get("input")
+    shown = "" if isinstance(got, dict) else f" (got {got!r})"
+    return f"config key {loc!r}: {first['msg'].lower()}{shown}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the YAML file, then dotted overrides; raises UserError on any problem."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise UserError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise UserError(f"config file {str(path)!r} is not valid YAML{where}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise UserError(f"config file {str(path)!r} must hold a mapping of sections")
+        tree = loaded or {}
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise UserError(_format_validation_error(err)) from None
+
+
+def iter_reference(model: type[BaseModel] = Config, prefix: str = ""):
+    """Yield (dotted key, default, description) for every leaf key: the README's reference."""
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        key = f"{prefix}{name}"
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from iter_reference(annotation, key + ".")
+        else:
+            default = field.get_default(call_default_factory=True)
+            yield key, default, field.description or ""

@@ -1,0 +1,13 @@
+"""Loading Hugging Face models and tokenizers, and turning problems into prompt tokens."""
+
+from rlscale.models.loading import (
+    load_model,
+    load_tokenizer,
+    pick_device,
+    pick_dtype,
+    resolve_model_path,
+)
+from rlscale.models.prompts import PromptRenderer
+
+__all__ = ["load_model", "load_tokenizer", "pick_device", "pick_dtype", "resolve_model_path",
+           "PromptRenderer"]

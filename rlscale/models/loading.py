@@ -1,0 +1,85 @@
+"""Model and tokenizer loading: hub ids, local paths and the project's built-in models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rlscale.errors import UserError
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_DIR = Path(__file__).resolve().parent.parent / "assets"
+
+
+def resolve_model_path(name: str) -> str:
+    """builtin:NAME -> the shipped directory; anything else is passed to transformers as is
+    (a local directory, or a hub id resolved through HF_HOME)."""
+    if name.startswith(BUILTIN_PREFIX):
+        path = BUILTIN_DIR / name[len(BUILTIN_PREFIX):]
+        if not (path / "config.json").is_file():
+            known = sorted(p.name for p in BUILTIN_DIR.iterdir() if p.is_dir()) if BUILTIN_DIR.is_dir() else []
+            raise UserError(f"policy.model_name: no built-in model {name!r} (built-ins: {', '.join(known) or 'none'})")
+        return str(path)
+    local = Path(name).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise UserError(f"policy.model_name: {name!r} is not a model directory (no config.json)")
+        return str(local)
+    return name
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("policy.device: 'cuda' was asked for but no CUDA device is available")
+    return torch.device(choice)
+
+
+def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, choice)
+
+
+def _short_reason(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def quiet_transformers() -> None:
+    """Progress bars and advice from transformers would drown the run's own display."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    path = resolve_model_path(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # transformers raises many types for a bad id or path
+        raise UserError(f"cannot load tokenizer {name!r}: {_short_reason(exc)}") from None
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise UserError(f"tokenizer {name!r} has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    quiet_transformers()
+    path = resolve_model_path(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise UserError(f"cannot load model {name!r}: {_short_reason(exc)}") from None
+    return model.to(device)

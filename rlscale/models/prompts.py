@@ -1,0 +1,30 @@
+"""Problem text -> prompt token ids: the tokenizer's chat template, or plain text."""
+
+from __future__ import annotations
+
+from rlscale.errors import UserError
+
+
+class PromptRenderer:
+    def __init__(self, tokenizer, prompt_format: str = "auto", max_prompt_tokens: int | None = None):
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if prompt_format == "chat" and not has_template:
+            raise UserError("policy.prompt_format: 'chat' was asked for but the tokenizer has no chat template")
+        self.tokenizer = tokenizer
+        self.use_chat = prompt_format == "chat" or (prompt_format == "auto" and has_template)
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def render(self, text: str) -> list[int]:
+        if self.use_chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        else:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            bos = self.tokenizer.bos_token_id
+            if bos is not None and getattr(self.tokenizer, "add_bos_token", False):
+                ids = [bos] + ids
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            ids = ids[-self.max_prompt_tokens:]  # keep the question's end, where it asks
+        return list(ids)

@@ -1,0 +1,38 @@
+"""A live progress line a person can follow: step, reward, accuracy, tokens/s, ETA."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class ProgressDisplay:
+    def __init__(self, total_steps: int, start_step: int, enabled: bool = True):
+        self.console = Console(stderr=True)
+        self.enabled = enabled
+        self._progress = Progress(
+            TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=self.console, disable=not enabled, transient=False)
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, stats="")
+
+    def __enter__(self) -> ProgressDisplay:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._progress.stop()
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        parts = [f"reward {metrics.get('reward/mean', 0.0):.3f}",
+                 f"acc {metrics.get('accuracy', 0.0):.3f}",
+                 f"{metrics.get('throughput/tokens_per_s', 0.0):,.0f} tok/s"]
+        if "val/accuracy" in metrics:
+            parts.append(f"val {metrics['val/accuracy']:.3f}")
+        if "ckpt/stall_s" in metrics:
+            parts.append(f"ckpt {metrics['ckpt/stall_s']:.2f}s {metrics['ckpt/GBps']:.2f}GB/s "
+                         f"free {metrics['ckpt/free_GB']:.0f}GB")
+        self._progress.update(self._task, completed=step, stats="  ".join(parts))
+
+    def print(self, message: str) -> None:
+        self.console.print(message, highlight=False)

@@ -1,0 +1,1 @@
+"""Policy workers and the groups that drive them."""

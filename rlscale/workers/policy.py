@@ -1,0 +1,191 @@
+"""The policy worker: a plain class holding the model, its optimizer and the frozen reference.
+
+It knows nothing of Ray or of the GRPO loop; the controller calls its methods through a worker
+group, in this process or (later) in a remote actor.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from rlscale.config import Config
+from rlscale.grpo.loss import grpo_token_loss, token_logprobs_and_entropy
+from rlscale.models import PromptRenderer, load_model, load_tokenizer, pick_device, pick_dtype
+from rlscale.workers.batch import Rollouts, TrainBatch
+from rlscale.workers import state_io
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    max_new_tokens: int = 16
+    stop_strings: tuple[str, ...] = ()
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """LR multiplier: linear warm-up over `warmup_steps` optimizer steps, then constant."""
+    return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+
+class PolicyWorker:
+    def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1):
+        self.cfg = cfg
+        self.rank, self.world_size = rank, world_size
+        policy = cfg.policy
+        torch.manual_seed(cfg.grpo.seed + rank)
+        random.seed(cfg.grpo.seed + rank)
+        self.device = pick_device(policy.device)
+        self.dtype = pick_dtype(policy.dtype, self.device)
+        self.tokenizer = load_tokenizer(policy.tokenizer_name or policy.model_name, policy.trust_remote_code)
+        self.renderer = PromptRenderer(
+            self.tokenizer, policy.prompt_format,
+            max_prompt_tokens=policy.max_total_sequence_length - policy.generation.max_new_tokens)
+        self.model = load_model(policy.model_name, self.dtype, self.device, policy.trust_remote_code)
+        self.model.config.use_cache = False
+        self.reference = None
+        if cfg.loss.reference_policy_kl_penalty > 0:
+            self.reference = load_model(policy.model_name, self.dtype, self.device, policy.trust_remote_code)
+            self.reference.eval().requires_grad_(False)
+        opt = policy.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+        warmup = policy.scheduler.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: warmup_factor(s, warmup))
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.no_grad()
+    def generate(self, texts: list[str], params: SamplingParams) -> Rollouts:
+        """Sample one response per prompt text (repeat texts for groups), left-padded in one batch."""
+        from transformers import GenerationConfig
+
+        tok = self.tokenizer
+        prompt_ids = [self.renderer.render(text) for text in texts]
+        width = max(len(p) for p in prompt_ids)
+        ids = torch.full((len(prompt_ids), width), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, prompt in enumerate(prompt_ids):
+            ids[i, width - len(prompt):] = torch.tensor(prompt)
+            mask[i, width - len(prompt):] = 1
+        greedy = params.temperature == 0
+        gen_config = GenerationConfig(
+            do_sample=not greedy,
+            temperature=None if greedy else params.temperature,
+            top_p=None if greedy else params.top_p,
+            top_k=None if greedy else (params.top_k or 0),
+            max_new_tokens=params.max_new_tokens,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            stop_strings=list(params.stop_strings) or None,
+            use_cache=True,
+        )
+        self.model.eval()
+        out = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_config,
+            tokenizer=tok if params.stop_strings else None)
+        new_tokens = out[:, width:].tolist()
+        responses, truncated = [], []
+        for row in new_tokens:
+            cut = _response_length(row, tok.eos_token_id, tok.pad_token_id)
+            responses.append(row[:cut])
+            truncated.append(cut == params.max_new_tokens and row[cut - 1] != tok.eos_token_id)
+        decoded = tok.batch_decode(responses, skip_special_tokens=True)
+        return Rollouts(prompt_ids=prompt_ids, response_ids=responses, texts=decoded, truncated=truncated)
+
+    # ------------------------------------------------------------------ training
+
+    def _forward_logprobs(self, model, batch: TrainBatch, with_entropy: bool = False):
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        return token_logprobs_and_entropy(logits[:, :-1], batch.input_ids[:, 1:], with_entropy)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        model = self.reference if reference else self.model
+        model.eval()
+        micro = self.cfg.policy.train_micro_batch_size or len(batch)
+        pieces = []
+        for start in range(0, len(batch), micro):
+            part = batch.slice(start, start + micro).to(self.device)
+            logprobs, _ = self._forward_logprobs(model, part)
+            pieces.append(torch.nn.functional.pad(logprobs.cpu(), (0, batch.response_mask.shape[1] - logprobs.shape[1])))
+        return torch.cat(pieces)
+
+    def train(self, steps: list[TrainBatch], global_tokens: list[float], global_samples: int,
+              micro_batch_size: int) -> dict[str, float]:
+        """One GRPO update: an optimizer step per batch in `steps` (this worker's share of it).
+
+        global_tokens[i]: response tokens in optimizer step i summed over all workers, so that the
+        loss is a token-level mean over the global batch whatever the sharding; global_samples:
+        sequences per optimizer step over all workers (for the per-sequence mean).
+        """
+        multi_step = len(steps) > 1
+        # pi_old must be the policy that sampled: recompute it before the first update when
+        # several optimizer steps follow; with one step the current logprobs are pi_old exactly.
+        old = [self.compute_logprobs(b) if multi_step else None for b in steps]
+        ref = [self.compute_logprobs(b, reference=True) if self.reference is not None else None for b in steps]
+        totals: dict[str, float] = {}
+        for i, batch in enumerate(steps):
+            stats = self._optimizer_step(batch, old[i], ref[i], global_tokens[i], global_samples, micro_batch_size)
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value / len(steps)
+        return totals
+
+    def _optimizer_step(self, batch, old_all, ref_all, global_tokens, global_samples, micro) -> dict[str, float]:
+        loss_cfg = self.cfg.loss
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0}
+        # Every worker divides by the same global count; gradients are averaged over workers,
+        # hence the world size.
+        norm = max(global_tokens, 1.0) / self.world_size
+        seq_norm = global_samples / self.world_size
+        for start in range(0, len(batch), micro):
+            part = batch.slice(start, start + micro).to(self.device)
+            width = part.response_mask.shape[1]
+            logprobs, entropy = self._forward_logprobs(self.model, part, with_entropy=True)
+            old = logprobs.detach() if old_all is None else old_all[start:start + micro, :width].to(self.device)
+            ref = None if ref_all is None else ref_all[start:start + micro, :width].to(self.device)
+            terms = grpo_token_loss(
+                logprobs, old, part.advantages, ref, loss_cfg.ratio_clip_min, loss_cfg.ratio_clip_max,
+                loss_cfg.reference_policy_kl_penalty)
+            mask = part.response_mask
+            if loss_cfg.token_level_loss:
+                weights = mask / norm
+            else:  # mean per sequence, then over the global batch's sequences
+                weights = mask / mask.sum(1, keepdim=True).clamp_min(1) / seq_norm
+            (terms.loss * weights).sum().backward()
+            with torch.no_grad():
+                for key, per_token in (("loss", terms.loss), ("kl", terms.kl), ("clip_fraction", terms.clipped),
+                                       ("entropy", entropy)):
+                    sums[key] += float((per_token * mask).sum() / norm)
+        max_norm = self.cfg.policy.max_grad_norm or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        sums.update(grad_norm=float(grad_norm), lr=lr)
+        return sums
+
+    # ------------------------------------------------------------------ state
+
+    def save_checkpoint_shard(self, directory: str) -> list[str]:
+        return state_io.save_worker_state(self, directory)
+
+    def load_checkpoint_shard(self, directory: str) -> None:
+        state_io.load_worker_state(self, directory)
+
+
+def _response_length(row: list[int], eos_id: int, pad_id: int) -> int:
+    """Tokens up to and including the first eos; padding after an early stop is cut."""
+    for i, token in enumerate(row):
+        if token == eos_id:
+            return i + 1
+        if token == pad_id:
+            return i
+    return len(row)

@@ -1,0 +1,94 @@
+import pytest
+
+from rlscale.errors import UserError
+from rlscale.rewards import RewardScorer, ScoreResult, math_reward
+
+USER = "tests.rewards.user_rewards:exact"
+
+
+@pytest.fixture(scope="module")
+def math_scorer():
+    with RewardScorer("math", timeout_s=5.0, num_workers=2) as scorer:
+        yield scorer
+
+
+@pytest.fixture(scope="module")
+def user_scorer():
+    with RewardScorer(USER, timeout_s=0.5, num_workers=2) as scorer:
+        yield scorer
+
+
+def test_batch_matches_math_reward(math_scorer):
+    responses = [rf"so \boxed{{{i % 7}}}" if i % 5 else "no box" for i in range(40)]
+    responses += [r"\boxed{\frac{1}{2}}", r"\boxed{0.25}", r"\boxed{\frac{", "garbage }{"]
+    answers = [str(i % 3) for i in range(40)] + ["0.5", r"\frac{1}{4}", "1", "1"]
+    result = math_scorer.score(responses, answers)
+    assert isinstance(result, ScoreResult)
+    assert result.rewards == [math_reward(r, a) for r, a in zip(responses, answers)]
+    assert 0 < sum(result.rewards) < len(responses)
+    assert (result.num_timeouts, result.num_errors, result.first_error) == (0, 0, None)
+    assert result.seconds > 0
+
+
+def test_empty_batch_and_length_mismatch(math_scorer):
+    assert math_scorer.score([], []).rewards == []
+    with pytest.raises(ValueError):
+        math_scorer.score(["a"], [])
+
+
+def test_pathological_math_answer_times_out():
+    # sympy grinds on this far longer than the limit; only killing the worker bounds it.
+    with RewardScorer("math", timeout_s=0.5, num_workers=1) as scorer:
+        result = scorer.score([r"\boxed{9^{9^{9^{9}}}}", r"\boxed{7}"], ["5", "7"])
+        assert result.rewards == [0.0, 1.0]
+        assert result.num_timeouts == 1
+
+
+def test_slow_sample_times_out_and_the_rest_still_score(user_scorer):
+    # 64 samples → chunks of 8, so the sleeper sits mid-chunk and its chunk-mates are requeued.
+    responses = [str(i) for i in range(64)]
+    answers = [str(i) if i % 2 else "x" for i in range(64)]
+    responses[3] = "sleep"
+    result = user_scorer.score(responses, answers)
+    expected = [float(r == a) for r, a in zip(responses, answers)]
+    assert result.rewards == expected and result.rewards[3] == 0.0
+    assert (result.num_timeouts, result.num_errors) == (1, 0)
+    assert result.seconds < 5
+    again = user_scorer.score(["a", "b"], ["a", "c"])  # the killed worker was replaced
+    assert again.rewards == [1.0, 0.0] and again.num_timeouts == 0
+
+
+def test_errors_bad_values_and_dead_workers_are_counted(user_scorer):
+    result = user_scorer.score(["a", "boom", "b", "die", "c"], ["a", "x", "b", "x", "x"])
+    assert result.rewards == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert (result.num_timeouts, result.num_errors) == (0, 2)
+    assert result.first_error == "sample 1: ValueError: boom"
+    assert user_scorer.score(["a"], ["a"]).rewards == [1.0]
+
+
+@pytest.mark.parametrize("name", ["returns_nan", "returns_text"])
+def test_non_finite_or_non_numeric_rewards_are_errors(name):
+    with RewardScorer(f"tests.rewards.user_rewards:{name}", timeout_s=1.0, num_workers=1) as scorer:
+        result = scorer.score(["a", "b"], ["a", "b"])
+    assert result.rewards == [0.0, 0.0] and result.num_errors == 2
+    assert "finite float" in result.first_error
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"function": "tests.rewards.user_rewards:missing"}, "has no attribute 'missing'"),
+    ({"function": "nocolon"}, "'nocolon' must be 'math'"),
+    ({"timeout_s": 0}, "rewards.timeout_s=0 must be"),
+    ({"num_workers": 0}, "rewards.num_workers=0 must be"),
+])
+def test_bad_settings_raise_user_errors(kwargs, fragment):
+    with pytest.raises(UserError, match=fragment):
+        RewardScorer(**kwargs)
+
+
+def test_close_is_idempotent_and_final():
+    scorer = RewardScorer(USER, timeout_s=1.0, num_workers=1)
+    assert scorer.score(["a"], ["a"]).rewards == [1.0]
+    scorer.close()
+    scorer.close()
+    with pytest.raises(RuntimeError):
+        scorer.score(["a"], ["a"])
