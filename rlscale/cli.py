@@ -18,11 +18,6 @@ CONFIG_OPTION = typer.Option(None, "--config", "-c", help="YAML config file")
 OVERRIDES_ARG = typer.Argument(None, help="dotted overrides, e.g. grpo.max_num_steps=20", show_default=False)
 
 
-def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"rlscale: error: {message}", err=True)
-    raise typer.Exit(code)
-
-
 def _print_resolved(cfg) -> None:
     from rlscale.config import derive_sizes
 
@@ -43,6 +38,9 @@ def train(
 
     cfg = load_config(config, overrides or [])
     if dry_run:
+        from rlscale.data.presets import find_preset
+
+        find_preset(cfg.data.dataset_name)  # a name check only: no data is read
         _print_resolved(cfg)
         return
     from rlscale.controller import train as run_training
@@ -95,6 +93,14 @@ def evaluate_cmd(
         group = LocalWorkerGroup(lambda rank, size: PolicyWorker(cfg, rank, size), 1)
         result = evaluate(group, problems, scorer, sampling_params(cfg, temperature), k=k)
     typer.echo(json.dumps({"model": cfg.policy.model_name, "temperature": temperature, **result.__dict__}, indent=2))
+
+
+@app.command("config")
+def config_reference() -> None:
+    """Print every config key with its default and meaning (a Markdown table)."""
+    from rlscale.config import reference_table
+
+    typer.echo(reference_table())
 
 
 @app.command()

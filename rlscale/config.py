@@ -245,7 +245,25 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    if value is not None and not isinstance(value, str) and _is_text_key(key):
+        # A string key takes the text as typed: `data.prompt_template={problem}` is not a YAML
+        # mapping, `data.hf_subset=2023` not a number, `data.arithmetic.operations=-` not a list.
+        value = raw
     return key, value
+
+
+def _is_text_key(dotted: str) -> bool:
+    """True when `dotted` names a leaf typed str or str | None."""
+    model: type[BaseModel] = Config
+    *sections, leaf = dotted.split(".")
+    for name in sections:
+        field = model.model_fields.get(name)
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return False
+        model = annotation
+    field = model.model_fields.get(leaf)
+    return field is not None and field.annotation in (str, str | None)
 
 
 def _format_validation_error(err: ValidationError) -> str:
@@ -295,3 +313,12 @@ def iter_reference(model: type[BaseModel] = Config, prefix: str = ""):
         else:
             default = field.get_default(call_default_factory=True)
             yield key, default, field.description or ""
+
+
+def reference_table() -> str:
+    """The README's config reference, generated from the config classes."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for key, default, description in iter_reference():
+        shown = json.dumps(default) if not isinstance(default, tuple) else json.dumps(list(default))
+        lines.append(f"| `{key}` | `{shown}` | {description.replace('|', '/')} |")
+    return "\n".join(lines)

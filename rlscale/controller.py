@@ -111,15 +111,17 @@ def train(cfg: Config) -> dict:
     """Run (or resume) a GRPO training run; returns the summary written to summary.json."""
     started = time.perf_counter()
     sizes = derive_sizes(cfg)
-    run_dir = prepare_run_dir(cfg)
+    # Check the inputs (data, reward function) before writing anything, the directories before
+    # the slow model load, and start metrics.jsonl only once the model has loaded.
     datasets = build_datasets(cfg.data, cfg.grpo.seed)
     loader = PromptLoader(datasets.train, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
+    scorer = RewardScorer(cfg.rewards.function, cfg.rewards.timeout_s, cfg.rewards.num_workers)
+    run_dir = prepare_run_dir(cfg)
     checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
     if cfg.checkpointing.enabled:
         checkpointer.prepare()
-    sinks = build_sinks(run_dir, cfg.logger.tensorboard_enabled, cfg.logger.wandb_enabled)
-    scorer = RewardScorer(cfg.rewards.function, cfg.rewards.timeout_s, cfg.rewards.num_workers)
     group = make_worker_group(cfg)
+    sinks = build_sinks(run_dir, cfg.logger.tensorboard_enabled, cfg.logger.wandb_enabled)
     pad_id = group.workers[0].tokenizer.pad_token_id
     state = TrainerState()
     resumed_from = None

@@ -26,6 +26,10 @@ def resolve_model_path(name: str) -> str:
         if not (local / "config.json").is_file():
             raise UserError(f"policy.model_name: {name!r} is not a model directory (no config.json)")
         return str(local)
+    if local.is_absolute() or name.startswith((".", "~")):
+        # A hub id never looks like this; without the check transformers would report
+        # "Repo id must be in the form 'namespace/repo_name'" for a mistyped local path.
+        raise UserError(f"policy.model_name: {name!r} does not exist")
     return name
 
 
