@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlscale.errors import UserError
 
@@ -74,10 +74,10 @@ class LossConfig(_Section):
 class GRPOConfig(_Section):
     num_prompts_per_step: int = Field(32, ge=1, description="prompts sampled per GRPO step")
     num_generations_per_prompt: int = Field(8, ge=2, description="group size")
-    max_num_steps: int = Field(120, ge=1, description="GRPO steps in the run")
+    max_num_steps: int = Field(200, ge=1, description="GRPO steps in the run")
     normalize_rewards: bool = Field(True, description="divide advantages by the group std where non-zero")
     use_leave_one_out_baseline: bool = Field(True, description="baseline = mean of the other samples")
-    val_period: int = Field(0, ge=0, description="validate every N steps; 0 = only at start/end")
+    val_period: int = Field(50, ge=0, description="validate every N steps; 0 = only at start/end")
     val_at_start: bool = Field(True, description="validate before the first step")
     val_at_end: bool = Field(True, description="validate after the last step")
     max_val_samples: int = Field(256, ge=1, description="held-out problems per validation")
@@ -136,6 +136,14 @@ class LoggerConfig(_Section):
     tensorboard_enabled: bool = Field(False, description="write TensorBoard events to <log_dir>/tensorboard")
     wandb_enabled: bool = Field(False, description="log to Weights & Biases (needs wandb installed)")
     progress: bool = Field(True, description="live progress display on the terminal")
+
+    @field_validator("wandb_enabled")
+    @classmethod
+    def _wandb_not_yet(cls, enabled: bool) -> bool:
+        # Checked here, not when the sinks open, so that it fails before a model loads.
+        if enabled:
+            raise ValueError("Weights & Biases logging is not available yet; use logger.tensorboard_enabled=true")
+        return enabled
 
 
 class Config(_Section):
@@ -271,8 +279,9 @@ def _format_validation_error(err: ValidationError) -> str:
     loc = ".".join(str(p) for p in first["loc"])
     if first["type"] == "extra_forbidden":
         return f"unknown config key {loc!r}"
-    if first["type"] == "value_error" and not loc:
-        return str(first["ctx"]["error"]) if "ctx" in first else first["msg"]
+    if first["type"] == "value_error":
+        reason = str(first["ctx"]["error"]) if "ctx" in first else first["msg"]
+        return f"config key {loc!r}: {reason}" if loc else reason
     got = first.get("input")
     shown = "" if isinstance(got, dict) else f" (got {got!r})"
     return f"config key {loc!r}: {first['msg'].lower()}{shown}"

@@ -27,7 +27,7 @@ SFT_STREAM_OFFSET = 10_000_000
 
 @dataclass
 class SFTSettings:
-    steps: int = 600
+    steps: int = 1500
     batch_size: int = 64
     lr: float = 3e-3
     warmup_steps: int = 30
