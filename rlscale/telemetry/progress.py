@@ -15,6 +15,8 @@ class ProgressDisplay:
             TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
             console=self.console, disable=not enabled, transient=False)
         self._task = self._progress.add_task("train", total=total_steps, completed=start_step, stats="")
+        # Without a terminal (a Ray job's log, CI) a live bar cannot redraw: print plain lines.
+        self._plain_every = 0 if self.console.is_terminal else max(1, total_steps // 20)
 
     def __enter__(self) -> ProgressDisplay:
         self._progress.start()
@@ -33,6 +35,10 @@ class ProgressDisplay:
             parts.append(f"ckpt {metrics['ckpt/stall_s']:.2f}s {metrics['ckpt/GBps']:.2f}GB/s "
                          f"free {metrics['ckpt/free_GB']:.0f}GB")
         self._progress.update(self._task, completed=step, stats="  ".join(parts))
+        if self.enabled and self._plain_every and step % self._plain_every == 0:
+            task = self._progress.tasks[0]
+            eta = f"  ETA {task.time_remaining:.0f}s" if task.time_remaining is not None else ""
+            self.console.print(f"step {step}/{task.total}  " + "  ".join(parts) + eta, highlight=False)
 
     def print(self, message: str) -> None:
         self.console.print(message, highlight=False)
