@@ -105,10 +105,11 @@ class PolicyWorker:
         return token_logprobs_and_entropy(logits[:, :-1], batch.input_ids[:, 1:], with_entropy)
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+    def compute_logprobs(self, batch: TrainBatch, reference: bool = False,
+                         micro_batch_size: int | None = None) -> torch.Tensor:
         model = self.reference if reference else self.model
         model.eval()
-        micro = self.cfg.policy.train_micro_batch_size or len(batch)
+        micro = micro_batch_size or self.cfg.policy.train_micro_batch_size or len(batch)
         pieces = []
         for start in range(0, len(batch), micro):
             part = batch.slice(start, start + micro).to(self.device)
@@ -127,8 +128,9 @@ class PolicyWorker:
         multi_step = len(steps) > 1
         # pi_old must be the policy that sampled: recompute it before the first update when
         # several optimizer steps follow; with one step the current logprobs are pi_old exactly.
-        old = [self.compute_logprobs(b) if multi_step else None for b in steps]
-        ref = [self.compute_logprobs(b, reference=True) if self.reference is not None else None for b in steps]
+        old = [self.compute_logprobs(b, micro_batch_size=micro_batch_size) if multi_step else None for b in steps]
+        ref = [self.compute_logprobs(b, reference=True, micro_batch_size=micro_batch_size)
+               if self.reference is not None else None for b in steps]
         totals: dict[str, float] = {}
         for i, batch in enumerate(steps):
             stats = self._optimizer_step(batch, old[i], ref[i], global_tokens[i], global_samples, micro_batch_size)

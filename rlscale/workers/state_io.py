@@ -96,7 +96,12 @@ def load_policy_weights(model, policy_dir: Path) -> None:
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update(load_file(file))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as exc:  # strict=False still raises on shape mismatches: another model's checkpoint
+        lines = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line] or [str(exc)]
+        raise UserError(f"checkpoint {str(policy_dir)!r} does not match the model ({lines[0][:300]}); "
+                        "resume it with its own policy.model_name, or use a new logger.log_dir") from None
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     if unexpected or set(missing) - tied:
         raise UserError(f"checkpoint {str(policy_dir)!r} does not match the model "

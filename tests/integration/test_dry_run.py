@@ -1,0 +1,71 @@
+"""`rlscale train --dry-run` with the seed's job line: validates, prints, loads nothing."""
+
+from __future__ import annotations
+
+import time
+
+import yaml
+
+from tests.integration.helpers import run_cli
+
+SEED_OVERRIDES = [
+    "policy.model_name=Qwen/Qwen2.5-72B-Instruct", "cluster.num_nodes=8", "cluster.gpus_per_node=8",
+    "grpo.max_num_steps=20", "grpo.num_generations_per_prompt=8", "grpo.num_prompts_per_step=32",
+    "policy.train_global_batch_size=256", "checkpointing.enabled=True", "checkpointing.save_period=2",
+    "checkpointing.keep_top_k=2", "checkpointing.metric_name=null", "checkpointing.checkpoint_dir=/lustre/run/",
+    "data.dataset_name=DeepScaler", "logger.wandb_enabled=False",
+]
+
+
+def test_dry_run_of_the_seed_job_line(tmp_path):
+    started = time.perf_counter()
+    result = run_cli("train", "--dry-run", *SEED_OVERRIDES, cwd=tmp_path, entry_point=True)
+    elapsed = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.output
+    assert result.stderr == ""
+    config_text, _, derived = result.stdout.partition("# derived sizes")
+    printed = yaml.safe_load(config_text)
+    assert printed["policy"]["model_name"] == "Qwen/Qwen2.5-72B-Instruct"
+    assert printed["cluster"] == {"num_nodes": 8, "gpus_per_node": 8}
+    assert printed["grpo"]["max_num_steps"] == 20
+    assert printed["grpo"]["num_generations_per_prompt"] == 8
+    assert printed["grpo"]["num_prompts_per_step"] == 32
+    assert printed["policy"]["train_global_batch_size"] == 256
+    assert printed["checkpointing"]["enabled"] is True
+    assert printed["checkpointing"]["save_period"] == 2
+    assert printed["checkpointing"]["keep_top_k"] == 2
+    assert printed["checkpointing"]["metric_name"] is None
+    assert printed["checkpointing"]["checkpoint_dir"] == "/lustre/run/"
+    assert printed["data"]["dataset_name"] == "DeepScaler"
+    assert printed["logger"]["wandb_enabled"] is False
+    sizes = dict(line.strip("# ").split(": ") for line in derived.strip().splitlines())
+    assert sizes == {"world_size": "64", "samples_per_step": "256", "optimizer_steps_per_grpo_step": "1",
+                     "samples_per_worker_per_optimizer_step": "4", "micro_batch_size": "4",
+                     "micro_batches_per_optimizer_step": "1"}
+    # nothing was created: no run directory, no checkpoint directory, no model or data fetched
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert elapsed < 30  # no model or dataset load (those take minutes for a 72B model)
+
+
+def test_dry_run_imports_no_model_or_data_library(tmp_path):
+    """The dry run never touches torch, transformers or datasets: it cannot load a model or data."""
+    import subprocess
+    import sys
+
+    from tests.integration.helpers import cli_env
+
+    code = (
+        "import sys\n"
+        f"sys.argv = ['rlscale', 'train', '--dry-run', *{SEED_OVERRIDES!r}]\n"
+        "from rlscale.cli import app\n"
+        "app(standalone_mode=False)\n"
+        "heavy = [m for m in ('torch', 'transformers', 'datasets', 'math_verify', 'pyarrow') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "print('no heavy imports', file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == "no heavy imports"
+    assert "world_size: 64" in done.stdout

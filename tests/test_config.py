@@ -1,0 +1,217 @@
+"""The config tree: dotted overrides, validation messages, derived sizes, the key reference."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from rlscale.config import Config, derive_sizes, iter_reference, load_config, parse_override
+from rlscale.errors import UserError
+
+SEED_OVERRIDES = [
+    "policy.model_name=Qwen/Qwen2.5-72B-Instruct", "cluster.num_nodes=8", "cluster.gpus_per_node=8",
+    "grpo.max_num_steps=20", "grpo.num_generations_per_prompt=8", "grpo.num_prompts_per_step=32",
+    "policy.train_global_batch_size=256", "checkpointing.enabled=True", "checkpointing.save_period=2",
+    "checkpointing.keep_top_k=2", "checkpointing.metric_name=null", "checkpointing.checkpoint_dir=/lustre/run/",
+    "data.dataset_name=DeepScaler", "logger.wandb_enabled=False",
+]
+
+
+# 256 samples per step, 128 per optimizer step, independent of the defaults
+TWO_STEPS = ["grpo.num_prompts_per_step=32", "grpo.num_generations_per_prompt=8", "policy.train_global_batch_size=128"]
+
+
+def _get(cfg: Config, dotted: str):
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+# ---------------------------------------------------------------- override typing
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("grpo.max_num_steps=20", 20),
+    ("grpo.seed=-3", -3),
+    ("policy.optimizer.lr=1e-6", 1e-6),  # YAML 1.1 reads 1e-6 as text; the float field converts it
+    ("policy.optimizer.lr=3.0e-6", 3e-6),
+    ("policy.optimizer.lr=0.5", 0.5),
+    ("rewards.timeout_s=2", 2.0),
+    ("policy.max_grad_norm=null", None),
+    ("policy.max_grad_norm=1e-3", 1e-3),
+    ("checkpointing.enabled=True", True),
+    ("checkpointing.enabled=false", False),
+    ("logger.progress=no", False),
+    ("checkpointing.metric_name=null", None),
+    ("checkpointing.metric_name=val/accuracy", "val/accuracy"),
+    ("checkpointing.keep_top_k=null", None),
+    ('policy.generation.stop_strings=[</answer>, "\\n\\n"]', ["</answer>", "\n\n"]),  # YAML escapes
+    ("policy.optimizer.betas=[0.9, 0.95]", (0.9, 0.95)),
+    ("policy.model_name=Qwen/Qwen2.5-72B-Instruct", "Qwen/Qwen2.5-72B-Instruct"),
+    ("checkpointing.checkpoint_dir=/lustre/run/", "/lustre/run/"),
+    ("rewards.function=my_rewards:score", "my_rewards:score"),
+    # string keys keep the text as typed, whatever YAML would make of it
+    ("data.prompt_template={problem}", "{problem}"),
+    ("data.prompt_template=Q: {problem} A:", "Q: {problem} A:"),
+    ("data.hf_subset=2023", "2023"),
+    ("data.prompt_key=1", "1"),
+    ("data.arithmetic.operations=-", "-"),
+    ("data.arithmetic.operations=+-*", "+-*"),
+    ("data.hf_subset=null", None),  # an optional string can still be unset
+    ("+grpo.max_num_steps=7", 7),  # Hydra's "+" prefix is accepted
+])
+def test_override_values_are_typed(override, expected):
+    cfg = load_config(None, [override])
+    value = _get(cfg, override.lstrip("+").partition("=")[0])
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+def test_later_overrides_win_and_the_file_is_the_base(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("grpo:\n  max_num_steps: 7\n  seed: 5\npolicy:\n  optimizer:\n    lr: 1.0e-5\n")
+    cfg = load_config(path, ["grpo.max_num_steps=9", "grpo.max_num_steps=11"])
+    assert cfg.grpo.max_num_steps == 11
+    assert cfg.grpo.seed == 5
+    assert cfg.policy.optimizer.lr == 1e-5
+    assert cfg.policy.optimizer.betas == (0.9, 0.999)  # untouched keys keep their defaults
+
+
+def test_empty_file_means_defaults(tmp_path):
+    (tmp_path / "empty.yaml").write_text("")
+    assert load_config(tmp_path / "empty.yaml").to_dict() == Config().to_dict()
+
+
+def test_parse_override_splits_at_the_first_equals_sign():
+    assert parse_override("data.prompt_template={problem}=") == ("data.prompt_template", "{problem}=")
+    assert parse_override("grpo.max_num_steps=20") == ("grpo.max_num_steps", 20)
+    assert parse_override("logger.log_dir=") == ("logger.log_dir", "")
+
+
+# ---------------------------------------------------------------- messages
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["grpo.max_num_stepz=3"], "unknown config key 'grpo.max_num_stepz'"),
+    (["grpoo.max_num_steps=3"], "unknown config key 'grpoo'"),
+    (["policy.optimizer.learning_rate=1e-5"], "unknown config key 'policy.optimizer.learning_rate'"),
+    (["grpo.max_num_steps=three"],
+     "config key 'grpo.max_num_steps': input should be a valid integer, unable to parse string as an "
+     "integer (got 'three')"),
+    (["grpo.max_num_steps=0"], "config key 'grpo.max_num_steps': input should be greater than or equal to 1 (got 0)"),
+    (["policy.dtype=float8"], "config key 'policy.dtype'"),
+    (["grpo.max_num_steps"], "override 'grpo.max_num_steps' is not of the form key.sub=value"),
+    (["grpo..seed=1"], "override 'grpo..seed=1' is not of the form key.sub=value"),
+    (["grpo.max_num_steps=3", "grpo.max_num_steps.x=1"], "override 'grpo.max_num_steps.x': 'max_num_steps' is a value"),
+    (["logger.wandb_enabled=true"],
+     "config key 'logger.wandb_enabled': Weights & Biases logging is not available yet"),
+    (TWO_STEPS + ["policy.train_global_batch_size=100"],
+     "policy.train_global_batch_size=100 must divide grpo.num_prompts_per_step × grpo.num_generations_per_prompt = 256"),
+])
+def test_errors_name_the_key(overrides, message):
+    with pytest.raises(UserError) as caught:
+        load_config(None, overrides)
+    text = str(caught.value)
+    assert text.startswith(message), text
+    assert "\n" not in text
+
+
+def test_bad_files_are_user_errors(tmp_path):
+    (tmp_path / "bad.yaml").write_text("grpo: [1,\n")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(UserError, match=r"config file '.*bad.yaml' is not valid YAML at line 2"):
+        load_config(tmp_path / "bad.yaml")
+    with pytest.raises(UserError, match=r"config file '.*list.yaml' must hold a mapping of sections"):
+        load_config(tmp_path / "list.yaml")
+    with pytest.raises(UserError, match=r"cannot read config file '.*absent.yaml': No such file or directory"):
+        load_config(tmp_path / "absent.yaml")
+
+
+# ---------------------------------------------------------------- derived sizes
+
+
+def test_derived_sizes_of_the_seed_job():
+    sizes = derive_sizes(load_config(None, SEED_OVERRIDES))
+    assert sizes.as_dict() == {
+        "world_size": 64, "samples_per_step": 256, "optimizer_steps_per_grpo_step": 1,
+        "samples_per_worker_per_optimizer_step": 4, "micro_batch_size": 4, "micro_batches_per_optimizer_step": 1,
+    }
+
+
+def test_derived_sizes_with_two_optimizer_steps():
+    cfg = load_config(None, TWO_STEPS)
+    assert derive_sizes(cfg).as_dict() == {
+        "world_size": 1, "samples_per_step": 256, "optimizer_steps_per_grpo_step": 2,
+        "samples_per_worker_per_optimizer_step": 128, "micro_batch_size": 32, "micro_batches_per_optimizer_step": 4,
+    }
+
+
+@pytest.mark.parametrize("per_worker, micro", [(1, 1), (4, 4), (7, 7), (32, 32), (48, 24), (64, 32), (96, 32),
+                                               (37, 1), (40, 20), (128, 32)])
+def test_micro_batch_auto_is_the_largest_divisor_up_to_32(per_worker, micro):
+    cfg = load_config(None, [f"grpo.num_prompts_per_step={per_worker}", "grpo.num_generations_per_prompt=2",
+                             f"policy.train_global_batch_size={per_worker}"])
+    sizes = derive_sizes(cfg)
+    assert sizes.samples_per_worker_per_optimizer_step == per_worker
+    assert sizes.micro_batch_size == micro
+    assert sizes.micro_batches_per_optimizer_step == per_worker // micro
+    assert sizes.optimizer_steps_per_grpo_step == 2
+
+
+def test_explicit_micro_batch_is_kept_and_checked():
+    cfg = load_config(None, TWO_STEPS + ["policy.train_micro_batch_size=8"])
+    assert derive_sizes(cfg).micro_batch_size == 8
+    assert derive_sizes(cfg).micro_batches_per_optimizer_step == 16
+    with pytest.raises(UserError, match=r"policy.train_micro_batch_size=48 must divide the per-worker batch .* = 128"):
+        load_config(None, TWO_STEPS + ["policy.train_micro_batch_size=48"])
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (TWO_STEPS + ["cluster.gpus_per_node=3"],
+     r"policy.train_global_batch_size=128 must be a multiple of the worker count .* = 3"),
+    (["policy.max_total_sequence_length=256", "policy.generation.max_new_tokens=256"],
+     r"policy.generation.max_new_tokens=256 leaves no room"),
+    (["checkpointing.metric_name=val/accuracy", "checkpointing.keep_top_k=null"],
+     r"checkpointing.metric_name needs checkpointing.keep_top_k"),
+])
+def test_impossible_combinations(overrides, match):
+    with pytest.raises(UserError, match=match):
+        load_config(None, overrides)
+
+
+# ---------------------------------------------------------------- reference and round trip
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def test_reference_lists_every_leaf_key_with_its_default():
+    reference = list(iter_reference())
+    keys = [key for key, _, _ in reference]
+    assert len(keys) == len(set(keys))
+    defaults = _leaves(Config().to_dict())
+    assert set(keys) == set(defaults)
+    for key, default, description in reference:
+        shown = list(default) if isinstance(default, tuple) else default
+        assert shown == defaults[key], key
+        assert description, f"{key} has no description"
+    assert ("grpo.num_generations_per_prompt", 8) in [(k, d) for k, d, _ in reference]
+    assert ("loss.reference_policy_kl_penalty", 0.01) in [(k, d) for k, d, _ in reference]
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    cfg = load_config(None, SEED_OVERRIDES + ['policy.generation.stop_strings=["\\n"]', "data.prompt_template={problem}"])
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+    again = load_config(tmp_path / "config.yaml")
+    assert again == cfg
+    assert again.digest() == cfg.digest()
+    assert load_config(None, ["grpo.seed=1"]).digest() != Config().digest()
+    assert yaml.safe_load(cfg.to_yaml())["grpo"]["num_prompts_per_step"] == 32
