@@ -118,7 +118,16 @@ class RewardsConfig(_Section):
 
 class ClusterConfig(_Section):
     num_nodes: int = Field(1, ge=1, description="nodes")
-    gpus_per_node: int = Field(1, ge=1, description="workers (GPUs) per node")
+    gpus_per_node: int = Field(1, ge=1, description="workers per node: one per GPU (or per CPU slot without GPUs)")
+    backend: Literal["auto", "local", "ray"] = Field(
+        "auto", description="auto = in-process for one worker without cluster.address, else Ray")
+    address: str | None = Field(None, description="Ray cluster to join ('auto', 'ray://host:10001'); default: "
+                                "RAY_ADDRESS, else a local Ray")
+    use_gpus: bool | None = Field(
+        None, description="one GPU per worker; null = when the Ray cluster has GPUs and policy.device allows")
+    cpus_per_worker: int = Field(1, ge=1, description="CPUs reserved per worker")
+    placement_timeout_s: float = Field(300.0, gt=0, description="wait this long for the workers' resources")
+    collective_timeout_s: float = Field(600.0, gt=0, description="torch.distributed collective timeout")
 
 
 class CheckpointingConfig(_Section):

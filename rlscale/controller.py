@@ -63,12 +63,24 @@ def sampling_params(cfg: Config, temperature: float | None = None) -> SamplingPa
         stop_strings=tuple(gen.stop_strings))
 
 
-def make_worker_group(cfg: Config) -> LocalWorkerGroup:
+def make_worker_group(cfg: Config):
+    """In-process for one worker (the laptop path); Ray actors for more, or on a cluster."""
     world = derive_sizes(cfg).world_size
-    if world > 1:
-        raise UserError(f"cluster.num_nodes × cluster.gpus_per_node = {world} workers needs the Ray "
-                        "backend, which this version does not have yet; use 1 worker")
-    return LocalWorkerGroup(lambda rank, size: PolicyWorker(cfg, rank, size), world)
+    backend = cfg.cluster.backend
+    if backend == "auto":
+        backend = "local" if world == 1 and not (cfg.cluster.address or os.environ.get("RAY_ADDRESS")) else "ray"
+    if backend == "local":
+        if world > 1:
+            raise UserError(f"cluster.backend=local runs one worker, but cluster.num_nodes × "
+                            f"cluster.gpus_per_node = {world}; use cluster.backend=ray or auto")
+        return LocalWorkerGroup(lambda rank, size: PolicyWorker(cfg, rank, size), world)
+    from rlscale.workers.ray_group import RayWorkerGroup, cluster_has_gpus, connect
+
+    connect(cfg)
+    use_gpus = cfg.cluster.use_gpus
+    if use_gpus is None:
+        use_gpus = cfg.policy.device != "cpu" and cluster_has_gpus()
+    return RayWorkerGroup(cfg, use_gpus)
 
 
 def generate_rollouts(group, texts: list[str], params: SamplingParams) -> Rollouts:
@@ -122,7 +134,7 @@ def train(cfg: Config) -> dict:
         checkpointer.prepare()
     group = make_worker_group(cfg)
     sinks = build_sinks(run_dir, cfg.logger.tensorboard_enabled, cfg.logger.wandb_enabled)
-    pad_id = group.workers[0].tokenizer.pad_token_id
+    pad_id = group.run_rank0("ready")["pad_token_id"]
     state = TrainerState()
     resumed_from = None
     if cfg.checkpointing.enabled and cfg.checkpointing.resume and (latest := checkpointer.latest()):

@@ -16,7 +16,7 @@ from rlscale.config import Config
 from rlscale.grpo.loss import grpo_token_loss, token_logprobs_and_entropy
 from rlscale.models import PromptRenderer, load_model, load_tokenizer, pick_device, pick_dtype
 from rlscale.workers.batch import Rollouts, TrainBatch
-from rlscale.workers import state_io
+from rlscale.workers import distributed, state_io
 
 
 @dataclass
@@ -42,6 +42,10 @@ class PolicyWorker:
         random.seed(cfg.grpo.seed + rank)
         self.device = pick_device(policy.device)
         self.dtype = pick_dtype(policy.dtype, self.device)
+        if world_size > 1:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(0)  # Ray gives each worker actor one visible GPU
+            distributed.init_process_group(rank, world_size, self.device, cfg.cluster.collective_timeout_s)
         self.tokenizer = load_tokenizer(policy.tokenizer_name or policy.model_name, policy.trust_remote_code)
         self.renderer = PromptRenderer(
             self.tokenizer, policy.prompt_format,
@@ -52,11 +56,19 @@ class PolicyWorker:
         if cfg.loss.reference_policy_kl_penalty > 0:
             self.reference = load_model(policy.model_name, self.dtype, self.device, policy.trust_remote_code)
             self.reference.eval().requires_grad_(False)
+        if world_size > 1:
+            for model in (self.model, self.reference):
+                if model is not None:
+                    distributed.shard_model(model)
         opt = policy.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
         warmup = policy.scheduler.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: warmup_factor(s, warmup))
+
+    def ready(self) -> dict:
+        """Small facts the controller needs; also tells a worker group the worker is up."""
+        return {"pad_token_id": self.tokenizer.pad_token_id, "device": str(self.device), "rank": self.rank}
 
     # ------------------------------------------------------------------ generation
 
@@ -88,7 +100,8 @@ class PolicyWorker:
         self.model.eval()
         out = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_config,
-            tokenizer=tok if params.stop_strings else None)
+            tokenizer=tok if params.stop_strings else None,
+            synced_gpus=self.world_size > 1)  # sharded ranks must run the same number of forwards
         new_tokens = out[:, width:].tolist()
         responses, truncated = [], []
         for row in new_tokens:
@@ -171,7 +184,7 @@ class PolicyWorker:
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
-        sums.update(grad_norm=float(grad_norm), lr=lr)
+        sums.update(grad_norm=distributed.as_float(grad_norm), lr=lr)
         return sums
 
     # ------------------------------------------------------------------ state

@@ -15,3 +15,29 @@ def digit_share(response: str, answer: str) -> float:
 
 
 NOT_CALLABLE = 3
+
+
+def kill_a_worker_once(response: str, answer: str) -> float:
+    """Scores like digit_share, but the first call after the marker file appears SIGKILLs one
+    policy worker actor: a worker lost mid-step (OOM killer, preempted node)."""
+    import os
+    import signal
+
+    marker = os.environ.get("RLSCALE_TEST_KILL_MARKER")
+    if marker and os.path.exists(marker):
+        try:
+            os.unlink(marker)  # exactly one scoring process wins the race
+        except FileNotFoundError:
+            return digit_share(response, answer)
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            if cmdline.startswith("ray::PolicyWorker"):
+                os.kill(int(pid), signal.SIGKILL)
+                break
+    return digit_share(response, answer)

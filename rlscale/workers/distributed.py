@@ -1,0 +1,50 @@
+"""torch.distributed set-up for a policy worker: the process group and FSDP2 sharding."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+
+
+def free_port() -> int:
+    """A TCP port free on this node now (the OS picks it, so concurrent runs do not collide)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def init_process_group(rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:
+    """Join the group at MASTER_ADDR:MASTER_PORT (set by the worker group): NCCL on GPU, gloo on CPU."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    address = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def shard_model(model) -> None:
+    """FSDP2: shard every transformer block, then the root (embeddings, norm, head).
+
+    Blocks are found by the model's own `_no_split_modules` class names, so any Hugging Face
+    decoder (Qwen2/3, Llama, ...) is sharded block by block.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in block_names:
+            fully_shard(module)
+    fully_shard(model)
+
+
+def as_float(value) -> float:
+    """A scalar that may be a DTensor (e.g. the grad norm of sharded parameters)."""
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value)

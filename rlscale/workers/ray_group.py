@@ -1,0 +1,157 @@
+"""A worker group of Ray actors: one policy worker per GPU (or per CPU slot), packed per node.
+
+This is the only module that imports Ray for training. It places a placement group with one
+bundle per worker, starts one `PolicyWorker` actor per bundle with its rank environment, has
+them initialise torch.distributed (NCCL on GPU, gloo on CPU) on a port rank 0 picked free, and
+turns a dead worker into a one-line error naming its rank and the cause, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from rlscale.config import Config
+from rlscale.errors import UserError
+
+
+def _rendezvous_impl() -> tuple[str, int]:
+    import ray
+
+    from rlscale.workers.distributed import free_port
+
+    return ray.util.get_node_ip_address(), free_port()
+
+
+
+
+class WorkerFailure(UserError):
+    """A worker died (OOM, lost node, crash): the step cannot finish; resume from a checkpoint."""
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise UserError("more than one worker needs Ray: pip install 'ray[default]>=2.40'") from None
+    return ray
+
+
+def connect(cfg: Config) -> None:
+    """Join `cluster.address` (a running cluster, or the one a Ray job runs in), else start a local one."""
+    ray = _ray()
+    if ray.is_initialized():
+        return
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    # Workers import rlscale from the same place as the driver.
+    pythonpath = os.environ.get("PYTHONPATH")
+    runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}} if pythonpath else None
+    try:
+        if address:
+            ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        else:
+            world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+            cpus = max(os.cpu_count() or 1, world * cfg.cluster.cpus_per_worker)
+            ray.init(num_cpus=cpus, runtime_env=runtime_env, include_dashboard=False, log_to_driver=True)
+    except ConnectionError as exc:
+        raise UserError(f"cluster.address {address!r}: cannot connect to Ray ({exc})") from None
+
+
+def cluster_has_gpus() -> bool:
+    return _ray().cluster_resources().get("GPU", 0) > 0
+
+
+class RayWorkerGroup:
+    """Same two calls as the local group: run_all and run_rank0."""
+
+    def __init__(self, cfg: Config, use_gpus: bool, call_timeout_s: float | None = None):
+        ray = _ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rlscale.workers.policy import PolicyWorker
+
+        connect(cfg)
+        self.world_size = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+        bundle = {"CPU": cfg.cluster.cpus_per_worker}
+        if use_gpus:
+            bundle["GPU"] = 1
+        self._pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+        ready, _ = ray.wait([self._pg.ready()], timeout=cfg.cluster.placement_timeout_s)
+        if not ready:
+            ray.util.remove_placement_group(self._pg)
+            raise UserError(
+                f"cluster: {self.world_size} workers of {bundle} could not be placed within "
+                f"{cfg.cluster.placement_timeout_s:.0f}s; the cluster has {ray.cluster_resources()}")
+        actor_cls = ray.remote(PolicyWorker)  # Ray is a transport: the worker stays a plain class
+
+        def in_bundle(rank: int):
+            return PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank)
+
+        # Rank 0's node hosts the rendezvous; a port the OS hands out there cannot collide
+        # with another run's.
+        rendezvous = ray.remote(_rendezvous_impl).options(num_cpus=0, scheduling_strategy=in_bundle(0))
+        address, port = ray.get(rendezvous.remote())
+        env = {"MASTER_ADDR": address, "MASTER_PORT": str(port), "WORLD_SIZE": str(self.world_size)}
+        self.actors = [
+            actor_cls.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
+                scheduling_strategy=in_bundle(rank),
+                runtime_env={"env_vars": {**env, "RANK": str(rank)}},
+            ).remote(cfg, rank, self.world_size)
+            for rank in range(self.world_size)
+        ]
+        self.call_timeout_s = call_timeout_s
+        self.facts = self._get([actor.ready.remote() for actor in self.actors])
+
+    def _get(self, refs: list) -> list[Any]:
+        """ray.get, but a dead worker fails the call at once with its rank and cause."""
+        ray = _ray()
+        from ray.exceptions import RayActorError, RayTaskError
+
+        pending = list(refs)
+        started = time.monotonic()
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except RayActorError as exc:
+                    rank = refs.index(ref)
+                    raise WorkerFailure(f"worker rank {rank} died: {_cause(exc)}") from None
+                except RayTaskError as exc:
+                    rank = refs.index(ref)
+                    cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+                    if isinstance(cause, UserError):
+                        raise UserError(str(cause)) from None
+                    raise WorkerFailure(f"worker rank {rank} failed: {_cause(cause)}") from None
+            if self.call_timeout_s and time.monotonic() - started > self.call_timeout_s:
+                raise WorkerFailure(f"workers did not answer within {self.call_timeout_s:.0f}s")
+        return ray.get(refs)
+
+    def run_all(self, method: str, per_worker_args: list[tuple] | None = None, **kwargs) -> list[Any]:
+        args = per_worker_args or [()] * self.world_size
+        if len(args) != self.world_size:
+            raise ValueError(f"{method}: {len(args)} argument sets for {self.world_size} workers")
+        return self._get([getattr(actor, method).remote(*a, **kwargs) for actor, a in zip(self.actors, args)])
+
+    def run_rank0(self, method: str, *args, **kwargs) -> Any:
+        return self._get([getattr(self.actors[0], method).remote(*args, **kwargs)])[0]
+
+    def shutdown(self) -> None:
+        ray = _ray()
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        ray.util.remove_placement_group(self._pg)
+
+
+def _cause(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    # Ray's messages start with boilerplate; keep the line that says why.
+    for line in text:
+        lowered = line.lower()
+        if any(word in lowered for word in ("memory", "oom", "killed", "node", "exit", "died", "signal")):
+            return line.strip()[:300]
+    return (text[0] if text else type(exc).__name__)[:300]

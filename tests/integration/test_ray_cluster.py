@@ -1,0 +1,46 @@
+"""The same CLI on a local Ray cluster: 2 CPU workers on gloo with FSDP2, and a worker lost mid-step."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.integration.helpers import TINY_RUN, run_cli
+
+pytest.importorskip("ray")
+
+RAY_RUN = [*TINY_RUN, "cluster.gpus_per_node=2", "cluster.use_gpus=false", "grpo.max_val_samples=8"]
+
+
+def test_two_cpu_workers_train_and_report_metrics(tiny_model, tmp_path):
+    log_dir = tmp_path / "run"
+    result = run_cli("train", *RAY_RUN, f"policy.model_name={tiny_model}", "grpo.max_num_steps=2",
+                     "checkpointing.enabled=false", f"logger.log_dir={log_dir}", cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "train/loss" in row]
+    assert [row["step"] for row in steps] == [1, 2]
+    for row in steps:
+        assert row["train/grad_norm"] > 0 and row["train/entropy"] > 0
+        assert row["train/lr"] > 0
+
+
+def test_a_killed_worker_ends_the_run_with_its_name_not_a_hang(tiny_model, tmp_path, monkeypatch):
+    marker = tmp_path / "kill-now"
+    marker.write_text("")
+    monkeypatch.setenv("RLSCALE_TEST_KILL_MARKER", str(marker))
+    started = time.monotonic()
+    result = run_cli("train", *RAY_RUN, f"policy.model_name={tiny_model}", "grpo.max_num_steps=3",
+                     "grpo.val_at_start=false", "checkpointing.enabled=false",
+                     "rewards.function=tests.integration.rewards_for_tests:kill_a_worker_once",
+                     f"logger.log_dir={tmp_path / 'run'}", cwd=tmp_path, timeout=240)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    assert not marker.exists(), "the reward function never ran"
+    errors = [line for line in result.stderr.splitlines() if line.startswith("rlscale: error:")]
+    assert len(errors) == 1 and "worker rank" in errors[0] and "died" in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.output
+    assert elapsed < 200
+    assert not (tmp_path / "run" / "summary.json").exists()
