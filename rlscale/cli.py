@@ -123,8 +123,21 @@ def sft(
 
 
 def main() -> None:
+    import click
+
+    # typer >= 0.2x vendors click; older typer raises click's own exceptions
+    option_errors = tuple(c for c in (getattr(typer, "TyperException", None), click.ClickException) if c)
     try:
-        app()
+        app(standalone_mode=False)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        typer.echo("rlscale: interrupted", err=True)
+        sys.exit(130)
+    except option_errors as exc:  # a bad option or argument: one line, like any user error
+        if exc.format_message():  # empty after no_args_is_help has printed the help
+            typer.echo(f"rlscale: error: {exc.format_message()}", err=True)
+        sys.exit(getattr(exc, "exit_code", 2))
     except UserError as exc:
         typer.echo(f"rlscale: error: {exc}", err=True)
         sys.exit(2)

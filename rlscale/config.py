@@ -24,6 +24,17 @@ from rlscale.errors import UserError
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info):
+        """pydantic reads true as 1; a boolean where a number belongs is a mistake."""
+        annotation = cls.model_fields[info.field_name].annotation
+        numeric = annotation in (int, float) or (
+            getattr(annotation, "__args__", None) and set(annotation.__args__) <= {int, float, type(None)})
+        if isinstance(value, bool) and numeric:
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
+
 
 class GenerationConfig(_Section):
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0 = greedy)")

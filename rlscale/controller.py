@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,10 +47,13 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def prepare_run_dir(cfg: Config) -> Path:
+    """Create the run directory and check it takes files (config.yaml is written after resuming)."""
     run_dir = Path(cfg.logger.log_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / "config.yaml", cfg.to_yaml())
+        probe = run_dir / ".rlscale_write_probe"
+        probe.write_bytes(b"ok")
+        probe.unlink()
     except OSError as exc:
         raise UserError(f"logger.log_dir {str(run_dir)!r} is not writable: {exc.strerror}") from None
     return run_dir
@@ -119,104 +123,67 @@ def validate(cfg: Config, group, problems, scorer) -> EvalResult:
                     sampling_params(cfg, temperature=cfg.grpo.val_temperature), k=1)
 
 
+def resume_or_start(cfg: Config, checkpointer: Checkpointer, group, loader: PromptLoader) -> tuple[TrainerState, str | None]:
+    """Restore the newest intact checkpoint when asked to; refuse to mix a fresh run into old ones."""
+    if not cfg.checkpointing.enabled:
+        return TrainerState(), None
+    latest = checkpointer.latest()
+    if latest is None:
+        return TrainerState(), None
+    if not cfg.checkpointing.resume:
+        raise UserError(f"checkpointing.resume=false, but {str(cfg.checkpoint_dir)!r} holds checkpoints of an "
+                        f"earlier run ({latest.name}); point logger.log_dir or checkpointing.checkpoint_dir "
+                        "at a new directory")
+    state = TrainerState(**checkpointer.load(latest, group))
+    loader.load_state_dict(state.loader)
+    return state, str(latest)
+
+
+def step_metrics(rollouts: Rollouts, rewards: torch.Tensor, scores, step_s: float) -> dict[str, float]:
+    """What one step's samples say: rewards, accuracy, lengths, throughput."""
+    response_tokens = sum(len(r) for r in rollouts.response_ids)
+    all_tokens = response_tokens + sum(len(p) for p in rollouts.prompt_ids)
+    return {
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "accuracy": sum(map(is_correct, scores.rewards)) / len(scores.rewards),
+        "reward/timeouts": scores.num_timeouts, "reward/errors": scores.num_errors,
+        "grpo/zero_std_groups": float((rewards.std(dim=1) == 0).float().mean()),
+        "response/length_mean": response_tokens / len(rollouts.response_ids),
+        "response/truncated_fraction": sum(rollouts.truncated) / len(rollouts.truncated),
+        "time/step_s": step_s,
+        "throughput/tokens_per_s": all_tokens / step_s,
+    }
+
+
 def train(cfg: Config) -> dict:
     """Run (or resume) a GRPO training run; returns the summary written to summary.json."""
     started = time.perf_counter()
-    sizes = derive_sizes(cfg)
     # Check the inputs (data, reward function) before writing anything, the directories before
-    # the slow model load, and start metrics.jsonl only once the model has loaded.
+    # the slow model load, and touch the run's files only once the model and checkpoint loaded.
     datasets = build_datasets(cfg.data, cfg.grpo.seed)
     loader = PromptLoader(datasets.train, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
-    scorer = RewardScorer(cfg.rewards.function, cfg.rewards.timeout_s, cfg.rewards.num_workers)
-    run_dir = prepare_run_dir(cfg)
-    checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
-    if cfg.checkpointing.enabled:
-        checkpointer.prepare()
-    group = make_worker_group(cfg)
-    sinks = build_sinks(run_dir, cfg.logger.tensorboard_enabled, cfg.logger.wandb_enabled)
-    pad_id = group.run_rank0("ready")["pad_token_id"]
-    state = TrainerState()
-    resumed_from = None
-    if cfg.checkpointing.enabled and cfg.checkpointing.resume and (latest := checkpointer.latest()):
-        state = TrainerState(**checkpointer.load(latest, group))
-        loader.load_state_dict(state.loader)
-        resumed_from = str(latest)
-
-    start_step, wall_before = state.step, state.wall_s
-    P, G = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
-    params = sampling_params(cfg)
-    timer = StepTimer()
-    last_saved = state.step if resumed_from else None
-    with ProgressDisplay(cfg.grpo.max_num_steps, state.step, cfg.logger.progress) as progress:
-        progress.print(f"run dir {run_dir}  |  {sizes.samples_per_step} samples/step, "
-                       f"{sizes.optimizer_steps_per_grpo_step} optimizer step(s)/step"
-                       + (f"  |  resumed from {resumed_from}" if resumed_from else ""))
-        if state.eval_before is None and cfg.grpo.val_at_start:
-            result = validate(cfg, group, datasets.val, scorer)
-            state.eval_before = result.metrics("val")
-            state.last_val = state.eval_before
-            progress.print(f"held-out accuracy before training: {result.accuracy:.3f}")
-            sinks.log(state.step, state.eval_before)
-
-        while state.step < cfg.grpo.max_num_steps:
-            step = state.step + 1
-            step_started = time.perf_counter()
-            with timer.section("generate"):
-                problems = loader.next_batch(P)
-                texts = [p.text for p in problems for _ in range(G)]
-                answers = [p.answer for p in problems for _ in range(G)]
-                rollouts = generate_rollouts(group, texts, params)
-            with timer.section("reward"):
-                scores = scorer.score(rollouts.texts, answers)
-            rewards = torch.tensor(scores.rewards).view(P, G)
-            advantages = group_advantages(rewards, cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards)
-            with timer.section("train"):
-                metrics = train_on_rollouts(cfg, group, rollouts, advantages.flatten().tolist(), step, pad_id)
-            state.step = step
-            state.loader = loader.state_dict()
-            if cfg.grpo.val_period and step % cfg.grpo.val_period == 0:
-                with timer.section("validate"):
-                    state.last_val = validate(cfg, group, datasets.val, scorer).metrics("val")
-                metrics.update(state.last_val)
-            if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0
-                                              or step == cfg.grpo.max_num_steps):
-                with timer.section("checkpoint"):
-                    state.wall_s = wall_before + time.perf_counter() - started
-                    report = checkpointer.save(step, group, state.__dict__, {**state.last_val, **metrics})
-                metrics.update(report.metrics())
-                last_saved = step
-            step_s = time.perf_counter() - step_started
-            response_tokens = sum(len(r) for r in rollouts.response_ids)
-            all_tokens = response_tokens + sum(len(p) for p in rollouts.prompt_ids)
-            metrics.update(timer.pop())
-            metrics.update({
-                "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-                "accuracy": sum(map(is_correct, scores.rewards)) / len(scores.rewards),
-                "reward/timeouts": scores.num_timeouts, "reward/errors": scores.num_errors,
-                "grpo/zero_std_groups": float((rewards.std(dim=1) == 0).float().mean()),
-                "response/length_mean": response_tokens / len(rollouts.response_ids),
-                "response/truncated_fraction": sum(rollouts.truncated) / len(rollouts.truncated),
-                "time/step_s": step_s,
-                "throughput/tokens_per_s": all_tokens / step_s,
-                "data/epoch": loader.epoch,
-            })
-            sinks.log(step, metrics)
-            progress.update(step, metrics)
-
-        eval_after = None
-        if cfg.grpo.val_at_end:
-            eval_after = validate(cfg, group, datasets.val, scorer).metrics("val")
-            progress.print(f"held-out accuracy after training: {eval_after['val/accuracy']:.3f}")
-            sinks.log(state.step, {f"final/{k}": v for k, v in eval_after.items()})
-        state.wall_s = wall_before + time.perf_counter() - started
-        if cfg.checkpointing.enabled and last_saved != state.step:
-            checkpointer.save(state.step, group, state.__dict__, state.last_val)
-    checkpointer.close()
-    scorer.close()
-    sinks.close()
+    with ExitStack() as cleanup:
+        scorer = cleanup.enter_context(
+            RewardScorer(cfg.rewards.function, cfg.rewards.timeout_s, cfg.rewards.num_workers))
+        run_dir = prepare_run_dir(cfg)
+        checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
+        if cfg.checkpointing.enabled:
+            checkpointer.prepare()
+        group = make_worker_group(cfg)
+        cleanup.callback(group.shutdown)
+        state, resumed_from = resume_or_start(cfg, checkpointer, group, loader)
+        cleanup.callback(checkpointer.close)  # runs before shutdown: in-flight saves finish first
+        write_atomic(run_dir / "config.yaml", cfg.to_yaml())
+        sinks = build_sinks(run_dir, cfg.logger.tensorboard_enabled, cfg.logger.wandb_enabled,
+                            resumed_step=state.step if resumed_from else None)
+        cleanup.callback(sinks.close)
+        run = Run(cfg, group, scorer, checkpointer, sinks, loader, datasets.val, state)
+        with ProgressDisplay(cfg.grpo.max_num_steps, state.step, cfg.logger.progress) as progress:
+            eval_after = run.loop(progress, resumed_from)
+        state.wall_s = run.wall_before + time.perf_counter() - started
     summary = {
         "final_step": state.step,
-        "steps_run": state.step - start_step,
+        "steps_run": state.step - run.start_step,
         "resumed_from": resumed_from,
         "wall_s": round(state.wall_s, 3),
         "eval": {"before": _strip(state.eval_before), "after": _strip(eval_after)},
@@ -224,6 +191,80 @@ def train(cfg: Config) -> dict:
     }
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+class Run:
+    """One invocation of the loop: the parts it drives and the state it advances."""
+
+    def __init__(self, cfg, group, scorer, checkpointer, sinks, loader, val_problems, state: TrainerState):
+        self.cfg, self.group, self.scorer, self.checkpointer = cfg, group, scorer, checkpointer
+        self.sinks, self.loader, self.val_problems, self.state = sinks, loader, val_problems, state
+        self.start_step, self.wall_before = state.step, state.wall_s
+        self.started = time.perf_counter()
+        self.pad_id = group.run_rank0("ready")["pad_token_id"]
+
+    def loop(self, progress: ProgressDisplay, resumed_from: str | None) -> dict | None:
+        """The GRPO loop, top to bottom. Returns the held-out metrics after training."""
+        cfg, group, state = self.cfg, self.group, self.state
+        sizes = derive_sizes(cfg)
+        P, G = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
+        params = sampling_params(cfg)
+        timer = StepTimer()
+        last_saved = state.step if resumed_from else None
+        progress.print(f"run dir {cfg.logger.log_dir}  |  {sizes.samples_per_step} samples/step, "
+                       f"{sizes.optimizer_steps_per_grpo_step} optimizer step(s)/step, {sizes.world_size} worker(s)"
+                       + (f"  |  resumed from {resumed_from}" if resumed_from else ""))
+        if state.eval_before is None and cfg.grpo.val_at_start:
+            state.eval_before = state.last_val = self.validate()
+            progress.print(f"held-out accuracy before training: {state.eval_before['val/accuracy']:.3f}")
+            self.sinks.log(state.step, state.eval_before)
+
+        while state.step < cfg.grpo.max_num_steps:
+            step = state.step + 1
+            step_started = time.perf_counter()
+            with timer.section("generate"):
+                problems = self.loader.next_batch(P)
+                texts = [p.text for p in problems for _ in range(G)]
+                answers = [p.answer for p in problems for _ in range(G)]
+                rollouts = generate_rollouts(group, texts, params)
+            with timer.section("reward"):
+                scores = self.scorer.score(rollouts.texts, answers)
+            rewards = torch.tensor(scores.rewards).view(P, G)
+            advantages = group_advantages(rewards, cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards)
+            with timer.section("train"):
+                metrics = train_on_rollouts(cfg, group, rollouts, advantages.flatten().tolist(), step, self.pad_id)
+            state.step = step
+            state.loader = self.loader.state_dict()
+            if cfg.grpo.val_period and step % cfg.grpo.val_period == 0:
+                with timer.section("validate"):
+                    state.last_val = self.validate()
+                metrics.update(state.last_val)
+            if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0
+                                              or step == cfg.grpo.max_num_steps):
+                with timer.section("checkpoint"):
+                    metrics.update(self.save({**state.last_val, **metrics}))
+                last_saved = step
+            metrics.update(timer.pop())
+            metrics.update(step_metrics(rollouts, rewards, scores, time.perf_counter() - step_started))
+            metrics["data/epoch"] = self.loader.epoch
+            self.sinks.log(step, metrics)
+            progress.update(step, metrics)
+
+        eval_after = None
+        if cfg.grpo.val_at_end:
+            eval_after = self.validate()
+            progress.print(f"held-out accuracy after training: {eval_after['val/accuracy']:.3f}")
+            self.sinks.log(state.step, {f"final/{k}": v for k, v in eval_after.items()})
+        if cfg.checkpointing.enabled and last_saved != state.step:
+            self.save(state.last_val)
+        return eval_after
+
+    def validate(self) -> dict[str, float]:
+        return validate(self.cfg, self.group, self.val_problems, self.scorer).metrics("val")
+
+    def save(self, metrics: dict[str, float]) -> dict[str, float]:
+        self.state.wall_s = self.wall_before + time.perf_counter() - self.started
+        return self.checkpointer.save(self.state.step, self.group, self.state.__dict__, metrics).metrics()
 
 
 def _strip(val_metrics: dict | None) -> dict | None:

@@ -10,10 +10,26 @@ from rlscale.errors import UserError
 
 
 class JsonlSink:
-    """Appends one JSON object per step to <log_dir>/metrics.jsonl (flushed every line)."""
+    """Appends one JSON object per step to <log_dir>/metrics.jsonl (flushed every line).
 
-    def __init__(self, path: Path):
+    A run that resumes from step N first drops the rows after N (steps it will run again), so
+    every step appears once; a fresh run (start_step 0, not resumed) starts an empty file.
+    """
+
+    def __init__(self, path: Path, resumed_step: int | None = None):
         self.path = Path(path)
+        if self.path.exists():
+            kept = []
+            if resumed_step is not None:
+                for line in self.path.read_text(encoding="utf-8").splitlines():
+                    try:
+                        if json.loads(line).get("step", 0) <= resumed_step:
+                            kept.append(line + "\n")
+                    except ValueError:
+                        continue  # a line cut short by a crash
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            tmp.replace(self.path)
         self._file = self.path.open("a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -26,12 +42,14 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, resumed_step: int | None = None):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise UserError("logger.tensorboard_enabled needs the 'tensorboard' package installed") from None
-        self._writer = SummaryWriter(log_dir=str(directory))
+        # purge_step hides events a crashed run wrote after the step it resumes from
+        self._writer = SummaryWriter(log_dir=str(directory),
+                                     purge_step=None if resumed_step is None else resumed_step + 1)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
@@ -58,11 +76,12 @@ class Sinks:
             sink.close()
 
 
-def build_sinks(log_dir: Path, tensorboard: bool, wandb: bool) -> Sinks:
+def build_sinks(log_dir: Path, tensorboard: bool, wandb: bool, resumed_step: int | None = None) -> Sinks:
+    """resumed_step: the step a resumed run continues after (None for a fresh run)."""
     if wandb:
         raise UserError("logger.wandb_enabled: Weights & Biases logging is not available yet; "
                         "use logger.tensorboard_enabled=true")
-    sinks: list = [JsonlSink(Path(log_dir) / "metrics.jsonl")]
+    sinks: list = [JsonlSink(Path(log_dir) / "metrics.jsonl", resumed_step)]
     if tensorboard:
-        sinks.append(TensorBoardSink(Path(log_dir) / "tensorboard"))
+        sinks.append(TensorBoardSink(Path(log_dir) / "tensorboard", resumed_step))
     return Sinks(sinks)

@@ -230,8 +230,6 @@ def test_restart_skips_a_damaged_checkpoint_and_clears_half_written_saves(crashe
             assert row[key] == straight[row["step"]][key], (row["step"], key)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: a restart from an older checkpoint appends the re-run "
-                                       "steps to metrics.jsonl without dropping the rows it replaces")
 def test_restart_from_an_older_checkpoint_leaves_one_row_per_step(crashed):
     rows = train_rows(Path(crashed["run"]) / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2, 3, 4]

@@ -7,15 +7,31 @@ from rlscale.errors import UserError
 from rlscale.telemetry import StepTimer, build_sinks
 
 
-def test_jsonl_appends_across_sink_instances_and_nulls_non_finite(tmp_path):
+def _rows(path):
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_jsonl_resume_keeps_rows_up_to_the_checkpoint_and_nulls_non_finite(tmp_path):
     sinks = build_sinks(tmp_path, tensorboard=False, wandb=False)
-    sinks.log(1, {"reward/mean": 0.5, "train/kl": math.nan})
+    for step in (1, 2, 3):
+        sinks.log(step, {"reward/mean": step / 4, "train/kl": math.nan})
     sinks.close()
-    sinks = build_sinks(tmp_path, tensorboard=False, wandb=False)  # a resumed run appends
-    sinks.log(2, {"reward/mean": 0.75})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "reward/m')  # a row cut short by a crash
+    sinks = build_sinks(tmp_path, tensorboard=False, wandb=False, resumed_step=2)  # resumes after step 2
+    sinks.log(3, {"reward/mean": 0.9})
     sinks.close()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [{"step": 1, "reward/mean": 0.5, "train/kl": None}, {"step": 2, "reward/mean": 0.75}]
+    assert _rows(tmp_path) == [{"step": 1, "reward/mean": 0.25, "train/kl": None},
+                               {"step": 2, "reward/mean": 0.5, "train/kl": None},
+                               {"step": 3, "reward/mean": 0.9}]
+
+
+def test_a_fresh_run_starts_an_empty_metrics_file(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 7}\n')
+    sinks = build_sinks(tmp_path, tensorboard=False, wandb=False)
+    sinks.log(1, {"accuracy": 0.5})
+    sinks.close()
+    assert _rows(tmp_path) == [{"step": 1, "accuracy": 0.5}]
 
 
 def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
