@@ -149,6 +149,17 @@ class CheckpointingConfig(_Section):
     metric_name: str | None = Field(None, description="metric ranking checkpoints; null = recency")
     higher_is_better: bool = Field(True, description="direction of metric_name")
     resume: bool = Field(True, description="resume from the newest complete checkpoint")
+    async_save: bool = Field(
+        True, description="persist in the background while the next rollout runs; false = wait for the commit")
+    staging_budget_gb: float = Field(
+        32.0, gt=0.0, description="host memory per worker for checkpoint staging buffers (pinned on CUDA); "
+        "state beyond it is written during the snapshot, stalling the loop longer")
+    writers_per_rank: int = Field(4, ge=1, le=64, description="files and writer (and reader) threads per worker")
+    verify_checksums: bool = Field(False, description="check file checksums when resuming (reads every byte)")
+    lustre_stripe_count: int | None = Field(
+        None, ge=-1, description="with `lfs` on PATH: `lfs setstripe -c` on each step dir (-1 = all targets)")
+    lustre_stripe_size: str | None = Field(
+        None, pattern=r"^[0-9]+[KMG]?$", description="with lustre_stripe_count: `lfs setstripe -S`, e.g. 4M")
 
 
 class LoggerConfig(_Section):

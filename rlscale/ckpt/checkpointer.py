@@ -1,21 +1,34 @@
-"""Durable saves: workers write their files into tmp_step_N/, the controller commits.
+"""The controller's side of checkpointing: snapshot, then persist and commit in the background.
 
-This version saves synchronously; its interface (save / wait / latest / load / close) is the
-seam where the asynchronous engine plugs in.
+    report = checkpointer.save(step, group, trainer_state, metrics)  # returns after the snapshot
+    ... next rollout runs while the workers' writer threads persist ...
+    for done in checkpointer.poll(): log(done.metrics())             # committed saves
+    checkpointer.close()                                             # waits for the last commit
+
+A save is snapshot (every worker copies its state into host staging buffers) -> persist (the
+workers' writer threads write and fsync their files into tmp_step_N/) -> commit (here, in a
+background thread: small controller files, the policy's weight index, then manifest.json with
+sizes and checksums, fsync, rename to step_N/, fsync of the checkpoint dir, retention).
+At most one save is in flight: a save waits for the previous commit and reports how long.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from rlscale.ckpt import layout
 from rlscale.ckpt.retention import steps_to_delete
+from rlscale.ckpt.tensorfile import file_checksum, write_file
 from rlscale.config import CheckpointingConfig
 from rlscale.errors import UserError
+
+WEIGHT_INDEX = "policy/model.safetensors.index.json"
 
 
 @dataclass
@@ -23,14 +36,24 @@ class SaveReport:
     step: int
     path: str
     bytes: int
-    stall_s: float  # time the training loop was held
-    persist_s: float  # time until the step was durable and committed
-    gbps: float
-    free_bytes: int
+    wait_s: float  # waited for the previous save to commit
+    stall_s: float  # the training loop was held this long in all (wait + snapshot)
+    direct_bytes: int = 0  # bytes over the staging budget, written during the snapshot
+    persist_s: float | None = None  # snapshot start -> durable and committed; None while in flight
+    gbps: float | None = None  # bytes / persist_s
+    free_bytes: int | None = None  # left on the checkpoint file system after the commit
+
+    @property
+    def committed(self) -> bool:
+        return self.persist_s is not None
 
     def metrics(self) -> dict[str, float]:
-        return {"ckpt/bytes": self.bytes, "ckpt/stall_s": self.stall_s, "ckpt/persist_s": self.persist_s,
-                "ckpt/GBps": self.gbps, "ckpt/free_GB": self.free_bytes / 1e9}
+        """The snapshot's numbers; once committed, the persist numbers as well."""
+        out = {"ckpt/bytes": float(self.bytes), "ckpt/wait_s": self.wait_s, "ckpt/stall_s": self.stall_s}
+        if self.committed:
+            out.update({"ckpt/committed_step": float(self.step), "ckpt/persist_s": self.persist_s,
+                        "ckpt/GBps": self.gbps, "ckpt/free_GB": self.free_bytes / 1e9})
+        return out
 
 
 class Checkpointer:
@@ -39,6 +62,10 @@ class Checkpointer:
         self.settings = settings
         self.config_yaml = config_yaml
         self.config_digest = config_digest
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._done: list[SaveReport] = []
+        self._error: tuple[int, BaseException] | None = None
 
     def prepare(self) -> None:
         """Check the directory is writable and remove saves a crash left half-written."""
@@ -55,42 +82,81 @@ class Checkpointer:
     def latest(self) -> Path | None:
         return layout.latest_intact(self.root)
 
+    # ------------------------------------------------------------------ saving
+
     def save(self, step: int, group, trainer_state: dict, metrics: dict[str, float]) -> SaveReport:
-        started = time.perf_counter()
+        """Snapshot every worker and start the persist; returns once the loop may go on (with
+        async_save off, once committed). Raises the error of an earlier save that failed."""
+        held = time.perf_counter()
+        self._join()
+        self._raise_error()
+        wait_s = time.perf_counter() - held
         tmp = self.root / layout.tmp_dir_name(step)
-        final = self.root / layout.step_dir_name(step)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
+        layout.set_stripe(tmp, self.settings.lustre_stripe_count, self.settings.lustre_stripe_size)
+        # captured now: the loop mutates these while the commit runs
+        small = {layout.TRAINER_STATE: json.dumps(trainer_state).encode(), "config.yaml": self.config_yaml.encode()}
+        started = time.perf_counter()
         try:
-            files: list[str] = []
-            for written in group.run_all("save_checkpoint_shard", [(str(tmp),)] * group.world_size):
-                files += written
-            (tmp / layout.TRAINER_STATE).write_text(json.dumps(trainer_state))
-            (tmp / "config.yaml").write_text(self.config_yaml)
-            files += [layout.TRAINER_STATE, "config.yaml"]
-            sizes = {rel: (tmp / rel).stat().st_size for rel in files}
-            for rel in files:
-                layout.fsync_path(tmp / rel)
-            manifest = {"step": step, "files": sizes, "metrics": metrics, "config_digest": self.config_digest,
-                        "created_unix": time.time()}
-            (tmp / layout.MANIFEST).write_text(json.dumps(manifest, indent=1))
-            layout.fsync_path(tmp / layout.MANIFEST)
-            for sub in {tmp / Path(rel).parent for rel in files}:
-                layout.fsync_path(sub)
-            if final.exists():  # a step re-saved after a resume: replace the older copy
+            snaps = group.run_all("checkpoint_snapshot", [(str(tmp),)] * group.world_size)
+        except BaseException as exc:
+            group.run_all("checkpoint_abort")
+            shutil.rmtree(tmp, ignore_errors=True)
+            _reraise(step, exc)
+        index = {"metadata": {"total_size": sum(s["weight_bytes"] for s in snaps)},
+                 "weight_map": dict(sorted(kv for s in snaps for kv in s["weight_map"].items()))}
+        small[WEIGHT_INDEX] = json.dumps(index, indent=1).encode()
+        report = SaveReport(step=step, path=str(self.root / layout.step_dir_name(step)),
+                            bytes=sum(s["bytes"] for s in snaps) + sum(map(len, small.values())),
+                            wait_s=wait_s, stall_s=time.perf_counter() - held,
+                            direct_bytes=sum(s["direct_bytes"] for s in snaps))
+        self._thread = threading.Thread(  # not a daemon: an exiting process still commits
+            target=self._commit, args=(dataclasses.replace(report), group, tmp, small, dict(metrics), started),
+            name=f"ckpt-commit-{step}")
+        self._thread.start()
+        if not self.settings.async_save:
+            self._join()
+            self._raise_error()
+            with self._lock:
+                return self._done.pop()
+        return report
+
+    def _commit(self, report: SaveReport, group, tmp: Path, small: dict[str, bytes], metrics: dict,
+                started: float) -> None:
+        try:
+            try:
+                results = group.run_all("checkpoint_finish")
+            except BaseException:
+                group.run_all("checkpoint_abort")
+                raise
+            files = {rel: entry for result in results for rel, entry in result["files"].items()}
+            for rel, data in small.items():
+                files[rel] = list(write_file(str(tmp / rel), data))
+            manifest = {"format": 2, "step": report.step, "world_size": group.world_size,
+                        "bytes": sum(size for size, _ in files.values()),
+                        "files": {rel: files[rel][0] for rel in sorted(files)},
+                        "checksums": {rel: files[rel][1] for rel in sorted(files)},
+                        "metrics": metrics, "config_digest": self.config_digest, "created_unix": time.time()}
+            write_file(str(tmp / layout.MANIFEST), json.dumps(manifest, indent=1).encode())
+            for sub in sorted({(tmp / rel).parent for rel in files}, reverse=True):
+                layout.fsync_path(sub)  # the new names inside tmp/ are durable before the rename
+            final = Path(report.path)
+            if final.exists():  # a step re-saved after resuming from an older one: replace it
                 shutil.rmtree(final)
             tmp.rename(final)
             layout.fsync_path(self.root)
-        except BaseException:
+            report.persist_s = time.perf_counter() - started
+            report.gbps = report.bytes / report.persist_s / 1e9
+            self._apply_retention()
+            report.free_bytes = shutil.disk_usage(self.root).free
+            with self._lock:
+                self._done.append(report)
+        except BaseException as exc:  # surfaced by the next poll / save / wait
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        elapsed = time.perf_counter() - started
-        total = sum(sizes.values())
-        self._apply_retention()
-        return SaveReport(step=step, path=str(final), bytes=total, stall_s=elapsed, persist_s=elapsed,
-                          gbps=total / elapsed / 1e9 if elapsed > 0 else 0.0,
-                          free_bytes=shutil.disk_usage(self.root).free)
+            with self._lock:
+                self._error = (report.step, exc)
 
     def _apply_retention(self) -> None:
         committed = []
@@ -102,18 +168,55 @@ class Checkpointer:
         for step in steps_to_delete(committed, s.keep_top_k, s.metric_name, s.higher_is_better):
             shutil.rmtree(self.root / layout.step_dir_name(step), ignore_errors=True)
 
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _raise_error(self) -> None:
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            _reraise(*error)
+
+    def poll(self) -> list[SaveReport]:
+        """Saves committed since the last call (without waiting); raises a failed save's error."""
+        self._raise_error()
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def wait(self) -> list[SaveReport]:
+        """Block until no save is in flight; returns the saves committed since the last poll."""
+        self._join()
+        return self.poll()
+
+    def close(self) -> list[SaveReport]:
+        return self.wait()
+
+    # ------------------------------------------------------------------ loading
+
     def load(self, step_dir: Path, group) -> dict:
-        """Restore every worker from step_dir and return the controller's trainer state."""
+        """Restore every worker from step_dir and return the controller's trainer state.
+        Sizes are always checked; checksums with checkpointing.verify_checksums (each worker
+        checks the tensor files it reads, here the small ones)."""
+        step_dir = Path(step_dir)
         verdict = layout.verify_step_dir(step_dir)
         if not verdict.ok:
             raise UserError(f"checkpoint {str(step_dir)!r} is damaged: {verdict.reason}")
-        group.run_all("load_checkpoint_shard", [(str(step_dir),)] * group.world_size)
-        return json.loads((Path(step_dir) / layout.TRAINER_STATE).read_text())
+        manifest = layout.read_manifest(step_dir)
+        verify = self.settings.verify_checksums
+        if verify:
+            for rel, recorded in manifest.get("checksums", {}).items():
+                if not rel.endswith(".safetensors") and file_checksum(str(step_dir / rel)) != recorded:
+                    raise UserError(f"checkpoint {str(step_dir)!r} is damaged: {rel} does not match its checksum")
+        group.run_all("load_checkpoint_shard", [(str(step_dir), manifest, verify)] * group.world_size)
+        return json.loads((step_dir / layout.TRAINER_STATE).read_text())
 
-    def wait(self) -> None:
-        """Block until no save is in flight (saves are synchronous in this version)."""
 
-    def close(self) -> None:
-        self.wait()
-
-
+def _reraise(step: int, exc: BaseException) -> None:
+    """A file-system error (disk full, quota, permissions) is the user's to fix: one line."""
+    if isinstance(exc, OSError):
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise UserError(f"checkpoint save of step {step} failed: {exc.strerror or exc}{where}") from exc
+    raise exc

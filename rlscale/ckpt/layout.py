@@ -3,11 +3,13 @@
 <checkpoint_dir>/
   tmp_step_N/          being written; never trusted, removed at start
   step_N/              committed: renamed from tmp_step_N/ after its manifest was fsynced
-    manifest.json      written last: step, file sizes, metrics, config digest
-    trainer_state.json controller state: step, loader position, RNG, eval history
+    manifest.json      written last: step, file sizes and checksums, metrics, config digest
+    trainer_state.json controller state: step, loader position, eval history
     config.yaml        the run's resolved config
-    policy/            Hugging Face model directory (safetensors, config, tokenizer)
-    optimizer_rank{r}.safetensors / .json, rng_rank{r}.safetensors / .json
+    policy/            Hugging Face model directory (safetensors shards + index, config, tokenizer)
+    optim/             AdamW moments by parameter name, param groups and LR scheduler
+    rng/               each rank's RNG states
+(see rlscale/workers/state_io.py for the files inside policy/, optim/ and rng/)
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import subprocess
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,22 +60,62 @@ def read_manifest(step_dir: Path) -> dict | None:
         return None
 
 
-def verify_step_dir(step_dir: Path) -> Verdict:
-    """A step is intact when its manifest parses and every listed file has its recorded size."""
+def verify_step_dir(step_dir: Path, checksums: bool = False, readers: int = 4) -> Verdict:
+    """A step is intact when its manifest parses and every listed file has its recorded size
+    (and, with `checksums`, its recorded checksum: that reads every byte, in parallel)."""
+    from rlscale.ckpt.tensorfile import file_checksum
+
     step_dir = Path(step_dir)
     if not step_dir.is_dir():
         return Verdict(False, f"{step_dir} is not a directory")
     manifest = read_manifest(step_dir)
     if manifest is None:
         return Verdict(False, f"{MANIFEST} is missing or unreadable")
-    for rel, size in manifest.get("files", {}).items():
+    files = manifest.get("files", {})
+    for rel, size in files.items():
         path = step_dir / rel
         if not path.is_file():
             return Verdict(False, f"{rel} is missing")
         actual = path.stat().st_size
         if actual != size:
             return Verdict(False, f"{rel} has {actual} bytes, manifest says {size}")
-    return Verdict(True, f"intact: {len(manifest.get('files', {}))} files")
+    total = sum(files.values())
+    if not checksums:
+        return Verdict(True, f"intact: {len(files)} files, {total / 1e9:.3f} GB (sizes checked)")
+    recorded = manifest.get("checksums", {})
+    unrecorded = sorted(set(files) - set(recorded))
+    if unrecorded:
+        return Verdict(False, f"{unrecorded[0]} has no checksum in the manifest")
+    ordered = sorted(files, key=lambda rel: -files[rel])
+    with ThreadPoolExecutor(max(1, readers)) as pool:
+        actual = dict(zip(ordered, pool.map(lambda rel: file_checksum(str(step_dir / rel)), ordered)))
+    for rel in ordered:
+        if actual[rel] != recorded[rel]:
+            return Verdict(False, f"{rel}: checksum {actual[rel]} does not match the manifest's {recorded[rel]}")
+    return Verdict(True, f"intact: {len(files)} files, {total / 1e9:.3f} GB, checksums match")
+
+
+def set_stripe(directory: Path, count: int | None, size: str | None) -> bool:
+    """Give `directory` a Lustre stripe layout, inherited by the files created in it.
+
+    With `checkpointing.lustre_stripe_count` (and optionally `lustre_stripe_size`, e.g. "4M") set
+    and the `lfs` tool on PATH, runs `lfs setstripe -c COUNT [-S SIZE] DIR` on each tmp step dir
+    before any file is written: ranks and writers then spread their files over COUNT storage
+    targets (-1 = all). Without `lfs`, or when the directory is not on Lustre, it warns and saves
+    with the default layout. Returns whether the layout was set.
+    """
+    if count is None and size is None:
+        return False
+    lfs = shutil.which("lfs")
+    if lfs is None:
+        warnings.warn("checkpointing.lustre_stripe_*: no `lfs` tool on PATH; default layout used", stacklevel=2)
+        return False
+    cmd = [lfs, "setstripe"] + (["-c", str(count)] if count is not None else []) + (["-S", size] if size else [])
+    done = subprocess.run(cmd + [str(directory)], capture_output=True, text=True)
+    if done.returncode != 0:
+        warnings.warn(f"lfs setstripe on {directory} failed: {done.stderr.strip()[:200]}", stacklevel=2)
+        return False
+    return True
 
 
 def committed_steps(root: Path) -> list[tuple[int, Path]]:

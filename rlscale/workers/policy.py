@@ -33,7 +33,7 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
     return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
 
 
-class PolicyWorker:
+class PolicyWorker(state_io.CheckpointableWorker):
     def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1):
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
@@ -189,11 +189,9 @@ class PolicyWorker:
 
     # ------------------------------------------------------------------ state
 
-    def save_checkpoint_shard(self, directory: str) -> list[str]:
-        return state_io.save_worker_state(self, directory)
-
-    def load_checkpoint_shard(self, directory: str) -> None:
-        state_io.load_worker_state(self, directory)
+    @property
+    def ckpt_settings(self):
+        return self.cfg.checkpointing
 
 
 def _response_length(row: list[int], eos_id: int, pad_id: int) -> int:

@@ -1,118 +1,243 @@
-"""A policy worker's training state on disk, without pickle.
+"""A policy worker's training state as checkpoint files, without pickle.
 
-Weights go to `policy/` in the Hugging Face layout (safetensors + config + tokenizer), so a
-checkpoint's policy loads with `AutoModelForCausalLM.from_pretrained`. Optimizer moments and RNG
-states are tensors in safetensors files keyed by parameter name; the rest is JSON.
+Layout inside a step directory (rank r of W, writer j of `writers_per_rank`):
+  policy/model-r{r}-{j}.safetensors  weights by their Hugging Face names (+ config, tokenizer and
+                                     the index the controller writes: a Hugging Face model dir)
+  optim/optim-r{r}-{j}.safetensors   AdamW moments as "<param name>::<key>"; optim/meta.json holds
+                                     param groups (by name) and the LR scheduler
+  rng/rank{r}.safetensors / .json    torch (CPU, CUDA) and Python RNG states of rank r
+
+Workers hold full replicas, so saving is spread: rank r writes the parameters in its contiguous,
+byte-balanced slice of the parameter list (weights and moments together). Everything is keyed by
+name, so any worker count loads any checkpoint: each rank reads every weight and moment file.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import random
+import tempfile
+import threading
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
+from rlscale.ckpt.engine import FileSpec, RankEngine, read_files
 from rlscale.errors import UserError
 
-POLICY_DIR = "policy"
+POLICY_DIR, OPTIM_DIR, RNG_DIR = "policy", "optim", "rng"
+OPTIM_META = f"{OPTIM_DIR}/meta.json"
 
 
-def _param_names(worker) -> list[str]:
-    return [name for name, _ in worker.model.named_parameters()]
+def model_tensors(model) -> dict[str, torch.Tensor]:
+    """Saved tensors by name; a tied weight appears once, under its first name (as HF saves it)."""
+    seen, out = set(), {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.device, tensor.data_ptr())
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor
+    return out
 
 
-def optimizer_to_flat(worker) -> tuple[dict[str, torch.Tensor], dict]:
+def optimizer_flat(model, optimizer, scheduler) -> tuple[dict[str, torch.Tensor], dict]:
     """AdamW state keyed by parameter name (not position), so it survives re-sharding."""
-    names = _param_names(worker)
-    state = worker.optimizer.state_dict()
-    tensors = {}
-    for index, per_param in state["state"].items():
-        for key, value in per_param.items():
-            tensors[f"{names[index]}::{key}"] = value.detach().to("cpu").contiguous()
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
-              for g in state["param_groups"]]
-    return tensors, {"param_groups": groups, "scheduler": worker.scheduler.state_dict()}
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    tensors = {f"{name_of[id(p)]}::{key}": value for p, state in optimizer.state.items()
+               for key, value in state.items() if isinstance(value, torch.Tensor)}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return tensors, {"param_groups": groups, "scheduler": scheduler.state_dict()}
 
 
-def optimizer_from_flat(worker, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    names = _param_names(worker)
-    index_of = {name: i for i, name in enumerate(names)}
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for flat_key, value in tensors.items():
-        name, key = flat_key.split("::")
-        state.setdefault(index_of[name], {})[key] = value
-    groups = [{**g, "params": [index_of[n] for n in g["params"]]} for g in meta["param_groups"]]
-    for group in groups:
-        if isinstance(group.get("betas"), list):
-            group["betas"] = tuple(group["betas"])
-    worker.optimizer.load_state_dict({"state": state, "param_groups": groups})
-    worker.scheduler.load_state_dict(meta["scheduler"])
+def split_by_bytes(sizes: list[int], parts: int) -> list[range]:
+    """Cut indices 0..len(sizes) into `parts` contiguous ranges of near-equal byte totals
+    (a range is empty when one item outweighs a share)."""
+    total, bounds, running, index = sum(sizes), [0], 0, 0
+    for part in range(1, parts):
+        while index < len(sizes) and running + sizes[index] / 2 <= total * part / parts:
+            running += sizes[index]
+            index += 1
+        bounds.append(index)
+    bounds.append(len(sizes))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def rank_files(worker, writers: int) -> tuple[list[FileSpec], dict[str, str]]:
+    """This rank's files for a save, and its weight map (name -> file name inside policy/)."""
+    rank, world = worker.rank, worker.world_size
+    weights = model_tensors(worker.model)
+    moments, meta = optimizer_flat(worker.model, worker.optimizer, worker.scheduler)
+    by_param: dict[str, dict[str, torch.Tensor]] = {}
+    for flat, tensor in moments.items():
+        by_param.setdefault(flat.split("::")[0], {})[flat] = tensor
+    names = list(weights)
+    sizes = [_nbytes(weights[n]) + sum(_nbytes(t) for t in by_param.get(n, {}).values()) for n in names]
+    mine = split_by_bytes(sizes, world)[rank]
+    files, weight_map = [], {}
+    for j, part in enumerate(split_by_bytes([sizes[i] for i in mine], writers)):
+        chosen = [names[mine[i]] for i in part]
+        if not chosen:
+            continue
+        model_file = f"model-r{rank:03d}-{j:03d}.safetensors"
+        files.append(FileSpec(f"{POLICY_DIR}/{model_file}", {n: weights[n] for n in chosen}, metadata={"format": "pt"}))
+        weight_map.update(dict.fromkeys(chosen, model_file))
+        optim = {k: v for n in chosen for k, v in by_param.get(n, {}).items()}
+        if optim:
+            files.append(FileSpec(f"{OPTIM_DIR}/optim-r{rank:03d}-{j:03d}.safetensors", optim))
+    if rank == 0:
+        files.append(FileSpec(OPTIM_META, data=json.dumps(meta).encode()))
+        files += [FileSpec(f"{POLICY_DIR}/{name}", data=blob) for name, blob in hf_side_files(worker).items()]
+    rng_tensors, rng_meta = rng_state()
+    files.append(FileSpec(f"{RNG_DIR}/rank{rank}.safetensors", rng_tensors))
+    files.append(FileSpec(f"{RNG_DIR}/rank{rank}.json", data=json.dumps(rng_meta).encode()))
+    return files, weight_map
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def hf_side_files(worker) -> dict[str, bytes]:
+    """config.json, generation_config.json and tokenizer files, made once per worker: they do not
+    change during training, and the tokenizer of a large vocabulary takes a while to serialise."""
+    cached = getattr(worker, "_ckpt_hf_files", None)
+    if cached is None:
+        model = worker.model
+        with tempfile.TemporaryDirectory() as tmp:
+            config = copy.deepcopy(model.config)
+            config.dtype = str(next(model.parameters()).dtype).split(".")[1]
+            config.architectures = [type(model).__name__]
+            config.use_cache = True  # workers switch it off for training; an exported model generates
+            config.save_pretrained(tmp)
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(tmp)
+            worker.tokenizer.save_pretrained(tmp)
+            cached = {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+        worker._ckpt_hf_files = cached
+    return cached
 
 
 def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = s
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = state
     version, internal, gauss = random.getstate()
     return tensors, {"python": [version, list(internal), gauss]}
 
 
 def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    torch.set_rng_state(tensors["torch_cpu"])
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
+    torch.set_rng_state(tensors["torch_cpu"].clone())
+    cuda_keys = sorted((k for k in tensors if k.startswith("torch_cuda_")), key=lambda k: int(k.rsplit("_", 1)[1]))
+    cuda = [tensors[k].clone() for k in cuda_keys]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
     version, internal, gauss = meta["python"]
     random.setstate((version, tuple(internal), gauss))
 
 
-def save_worker_state(worker, directory: str | Path) -> list[str]:
-    """Write this rank's files into `directory`; returns the relative paths written."""
-    directory = Path(directory)
-    written = []
-    if worker.rank == 0:
-        policy_dir = directory / POLICY_DIR
-        worker.model.save_pretrained(policy_dir, safe_serialization=True)
-        worker.tokenizer.save_pretrained(policy_dir)
-        written += [str(p.relative_to(directory)) for p in sorted(policy_dir.rglob("*")) if p.is_file()]
-    tensors, meta = optimizer_to_flat(worker)
-    save_file(tensors, directory / f"optimizer_rank{worker.rank}.safetensors")
-    (directory / f"optimizer_rank{worker.rank}.json").write_text(json.dumps(meta))
-    rng_tensors, rng_meta = rng_state()
-    save_file(rng_tensors, directory / f"rng_rank{worker.rank}.safetensors")
-    (directory / f"rng_rank{worker.rank}.json").write_text(json.dumps(rng_meta))
-    written += [f"optimizer_rank{worker.rank}.safetensors", f"optimizer_rank{worker.rank}.json",
-                f"rng_rank{worker.rank}.safetensors", f"rng_rank{worker.rank}.json"]
-    return written
+def load_worker_state(worker, step_dir: str | Path, manifest: dict, verify_checksums: bool, readers: int) -> None:
+    """Restore weights, optimizer, scheduler and this rank's RNG from a verified step directory.
+    Files are read in parallel and copied straight into the model's tensors on their device."""
+    step_dir = Path(step_dir)
+    files = manifest["files"]
+    targets = model_tensors(worker.model)
+    devices = {n: p.device for n, p in worker.model.named_parameters()}
+    pinned = torch.cuda.is_available() and any(t.is_cuda for t in targets.values())
+    rng_file = f"{RNG_DIR}/rank{worker.rank}.safetensors"
+    wanted = [rel for rel in files if rel.endswith(".safetensors")
+              and (rel.startswith((f"{POLICY_DIR}/", f"{OPTIM_DIR}/")) or rel == rng_file)]
+    loaded, moments, rng, lock = set(), {}, {}, threading.Lock()
 
+    def consume(rel: str, buffer: torch.Tensor, plan) -> None:
+        from rlscale.ckpt.tensorfile import views
 
-def load_policy_weights(model, policy_dir: Path) -> None:
-    files = sorted(policy_dir.glob("*.safetensors"))
-    if not files:
-        raise UserError(f"checkpoint {str(policy_dir)!r} holds no safetensors weights")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        weights.update(load_file(file))
+        tensors = views(buffer, plan)
+        if rel.startswith(f"{POLICY_DIR}/"):
+            for name, tensor in tensors.items():
+                target = targets.get(name)
+                if target is None or target.shape != tensor.shape:
+                    raise ValueError(f"{rel}: tensor {name!r} does not match the model")
+                target.detach().copy_(tensor, non_blocking=pinned)
+            with lock:
+                loaded.update(tensors)
+        elif rel.startswith(f"{OPTIM_DIR}/"):
+            # moments go to their parameter's device now; AdamW keeps its `step` counters on the host
+            placed = {k: v if k.endswith("::step") else v.to(devices.get(k.split("::")[0], v.device), non_blocking=pinned)
+                      for k, v in tensors.items()}
+            with lock:
+                moments.update(placed)
+        else:
+            rng.update(tensors)
+
+    paths = {rel: (str(step_dir / rel), files[rel]) for rel in wanted}
+    checksums = manifest.get("checksums", {}) if verify_checksums else None
     try:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-    except RuntimeError as exc:  # strict=False still raises on shape mismatches: another model's checkpoint
-        lines = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line] or [str(exc)]
-        raise UserError(f"checkpoint {str(policy_dir)!r} does not match the model ({lines[0][:300]}); "
-                        "resume it with its own policy.model_name, or use a new logger.log_dir") from None
-    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    if unexpected or set(missing) - tied:
-        raise UserError(f"checkpoint {str(policy_dir)!r} does not match the model "
-                        f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
+        read_files(paths, readers, pinned, checksums, consume)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"checkpoint {str(step_dir)!r} cannot be loaded: {exc}") from None
+    if pinned:
+        torch.cuda.synchronize()
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        raise UserError(f"checkpoint {str(step_dir)!r} does not match the model: no weights for {missing[:3]}")
+    meta = json.loads((step_dir / OPTIM_META).read_text())
+    _load_optimizer(worker, moments, meta, step_dir)
+    if rng:  # a rank that did not exist at save time keeps the RNG it was seeded with
+        set_rng_state(rng, json.loads((step_dir / f"{RNG_DIR}/rank{worker.rank}.json").read_text()))
 
 
-def load_worker_state(worker, directory: str | Path) -> None:
-    directory = Path(directory)
-    load_policy_weights(worker.model, directory / POLICY_DIR)
-    rank_file = directory / f"optimizer_rank{worker.rank}.safetensors"
-    meta = json.loads((directory / f"optimizer_rank{worker.rank}.json").read_text())
-    optimizer_from_flat(worker, load_file(rank_file, device=str(worker.device)), meta)
-    rng_tensors = load_file(directory / f"rng_rank{worker.rank}.safetensors")
-    set_rng_state(rng_tensors, json.loads((directory / f"rng_rank{worker.rank}.json").read_text()))
+def _load_optimizer(worker, moments: dict[str, torch.Tensor], meta: dict, step_dir: Path) -> None:
+    groups = meta["param_groups"]
+    names = [n for g in groups for n in g["params"]]
+    index = {name: i for i, name in enumerate(names)}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for flat, value in moments.items():
+        name, key = flat.split("::")
+        state.setdefault(index[name], {})[key] = value
+    loaded_groups = [{**g, "params": [index[n] for n in g["params"]]} for g in groups]
+    for group in loaded_groups:
+        if isinstance(group.get("betas"), list):
+            group["betas"] = tuple(group["betas"])
+    # torch matches optimizer state by position: the saved groups must list our parameters in order
+    current = [_names_of(worker.model, g["params"]) for g in worker.optimizer.param_groups]
+    if current != [g["params"] for g in groups]:
+        raise UserError(f"checkpoint {str(step_dir)!r}: its optimizer's parameter groups do not match the model")
+    worker.optimizer.load_state_dict({"state": state, "param_groups": loaded_groups})
+    worker.scheduler.load_state_dict(meta["scheduler"])
+
+
+def _names_of(model, params) -> list[str]:
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return [name_of[id(p)] for p in params]
+
+
+class CheckpointableWorker:
+    """Checkpoint methods for a worker with model, optimizer, scheduler, tokenizer, rank,
+    world_size and `ckpt_settings` (a CheckpointingConfig). The controller calls them through
+    its worker group: snapshot (returns once the state is on the host), finish, abort, load."""
+
+    def _ckpt_engine(self) -> RankEngine:
+        if getattr(self, "_engine", None) is None:
+            s = self.ckpt_settings
+            self._engine = RankEngine(s.writers_per_rank, int(s.staging_budget_gb * 1e9))
+        return self._engine
+
+    def checkpoint_snapshot(self, directory: str) -> dict:
+        engine = self._ckpt_engine()
+        files, weight_map = rank_files(self, self.ckpt_settings.writers_per_rank)
+        weight_bytes = sum(_nbytes(t) for f in files if f.rel.startswith(f"{POLICY_DIR}/") and f.tensors
+                           for t in f.tensors.values())
+        return {**engine.snapshot(directory, files), "weight_map": weight_map, "weight_bytes": weight_bytes}
+
+    def checkpoint_finish(self) -> dict:
+        return self._ckpt_engine().finish()
+
+    def checkpoint_abort(self) -> None:
+        self._ckpt_engine().abort()
+
+    def load_checkpoint_shard(self, directory: str, manifest: dict, verify_checksums: bool = False) -> None:
+        load_worker_state(self, directory, manifest, verify_checksums, self.ckpt_settings.writers_per_rank)

@@ -1,0 +1,172 @@
+"""One rank's half of a save: snapshot into reusable host buffers, persist with writer threads.
+
+`snapshot` returns as soon as the state is copied (the training loop's only wait); `finish`
+blocks until every file is written and fsynced and returns sizes and checksums for the manifest.
+Staging buffers are allocated on the first save and reused (pinned when CUDA is present, so the
+device-to-host copies run at full bandwidth). Host memory is bounded: files that do not fit in the
+staging budget are written during the snapshot through a transient buffer, so a state larger than
+the budget makes the stall longer, never the memory larger.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlscale.ckpt import tensorfile
+
+
+@dataclass
+class FileSpec:
+    """One file of a rank's share: tensors (written as safetensors) or ready bytes (JSON etc.)."""
+
+    rel: str
+    tensors: dict[str, torch.Tensor] | None = None
+    data: bytes | None = None
+    metadata: dict[str, str] | None = None
+
+    def plan(self) -> tensorfile.FilePlan:
+        specs = [(name, t.dtype, tuple(t.shape)) for name, t in self.tensors.items()]
+        return tensorfile.plan_file(specs, self.metadata)
+
+
+class RankEngine:
+    def __init__(self, writers: int, budget_bytes: int, pinned: bool | None = None):
+        self.pinned = torch.cuda.is_available() if pinned is None else pinned
+        self.budget_bytes = budget_bytes
+        self._pool = ThreadPoolExecutor(max(1, writers), thread_name_prefix="ckpt-writer")
+        self._buffers: dict[str, torch.Tensor] = {}  # rel -> staging buffer, reused across saves
+        self._pending: list[Future] = []
+        self._started = 0.0
+
+    def staged_bytes(self) -> int:
+        return sum(b.numel() for b in self._buffers.values())
+
+    def snapshot(self, directory: str | Path, files: list[FileSpec]) -> dict:
+        """Copy `files` into staging buffers and start writing them under `directory`."""
+        self.abort()  # a failed earlier save may have left writers behind; they must not share buffers
+        started = time.perf_counter()
+        directory = Path(directory)
+        for parent in {(directory / f.rel).parent for f in files}:
+            parent.mkdir(parents=True, exist_ok=True)
+        plans = {f.rel: f.plan() for f in files if f.tensors is not None}
+        self._fit_buffers(plans)
+        pending, direct, total = [], [], 0
+        for spec in files:
+            path = str(directory / spec.rel)
+            if spec.tensors is None:
+                total += len(spec.data)
+                pending.append(self._pool.submit(_write_bytes, path, spec.rel, spec.data))
+                continue
+            plan = plans[spec.rel]
+            total += plan.size
+            if spec.rel in self._buffers:
+                buffer = self._buffers[spec.rel][: plan.size]
+                tensorfile.fill(buffer, plan, spec.tensors)
+                ready = _copy_done_event(buffer)
+                pending.append(self._pool.submit(_write_staged, path, spec.rel, buffer, ready))
+            else:  # over the budget: written now, through a buffer freed when written
+                direct.append(self._pool.submit(_write_direct, path, spec.rel, plan, spec.tensors))
+        if self.pinned and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # state is on the host: training may go on
+        done, _ = wait(direct)
+        self._pending = pending + direct
+        self._started = started
+        errors = [f.exception() for f in done if f.exception() is not None]
+        if errors:
+            raise errors[0]
+        return {"bytes": total, "stall_s": time.perf_counter() - started,
+                "direct_bytes": sum(plans[f.result()[0]].size for f in direct)}
+
+    def _fit_buffers(self, plans: dict[str, tensorfile.FilePlan]) -> None:
+        """Keep or allocate one staging buffer per file, largest files first, within the budget."""
+        used, keep = 0, {}
+        for rel, plan in sorted(plans.items(), key=lambda item: -item[1].size):
+            have = self._buffers.get(rel)
+            if have is not None and have.numel() >= plan.size and used + have.numel() <= self.budget_bytes:
+                keep[rel] = have
+                used += have.numel()
+            elif used + plan.size <= self.budget_bytes:
+                keep[rel] = None
+                used += plan.size
+        self._buffers = {rel: (buf if buf is not None else tensorfile.host_buffer(plans[rel].size, self.pinned))
+                         for rel, buf in keep.items()}
+
+    def finish(self) -> dict:
+        """Wait for this save's writers; returns {"files": {rel: [size, checksum]}, "persist_s"}.
+        Raises the first writer error, after every writer has stopped."""
+        pending, self._pending = self._pending, []
+        wait(pending)
+        for future in pending:
+            if future.exception() is not None:
+                raise future.exception()
+        files = {rel: [size, checksum] for rel, size, checksum in (f.result() for f in pending)}
+        return {"files": files, "persist_s": time.perf_counter() - self._started}
+
+    def abort(self) -> None:
+        """Wait for any writers still running and drop their results (after a failed save)."""
+        pending, self._pending = self._pending, []
+        wait(pending)
+
+    def close(self) -> None:
+        self.abort()
+        self._pool.shutdown(wait=True)
+        self._buffers.clear()
+
+
+def _copy_done_event(buffer: torch.Tensor):
+    if buffer.is_pinned() and torch.cuda.is_available():
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    return None
+
+
+def _write_staged(path: str, rel: str, buffer: torch.Tensor, ready) -> tuple[str, int, str]:
+    if ready is not None:
+        ready.synchronize()  # this file's device-to-host copies are complete
+    return (rel, *tensorfile.write_file(path, buffer))
+
+
+def _write_direct(path: str, rel: str, plan: tensorfile.FilePlan, tensors: dict) -> tuple[str, int, str]:
+    buffer = tensorfile.host_buffer(plan.size, pinned=False)
+    tensorfile.fill(buffer, plan, tensors)
+    if any(t.is_cuda for t in tensors.values()):
+        torch.cuda.current_stream().synchronize()
+    return (rel, *tensorfile.write_file(path, buffer))
+
+
+def _write_bytes(path: str, rel: str, data: bytes) -> tuple[str, int, str]:
+    return (rel, *tensorfile.write_file(path, data))
+
+
+def read_files(paths: dict[str, tuple[str, int]], readers: int, pinned: bool, checksums: dict[str, str] | None,
+               consume) -> None:
+    """Read files in parallel; `consume(rel, buffer, plan)` runs in the reader thread as each one
+    arrives (so copies to the device overlap the remaining reads). paths: rel -> (path, size).
+    With `checksums`, every file's checksum is compared while it is read."""
+
+    def read_one(rel: str) -> None:
+        path, size = paths[rel]
+        actual = os.path.getsize(path)
+        if actual != size:
+            raise ValueError(f"{rel} has {actual} bytes, the manifest says {size}")
+        buffer, digest = tensorfile.read_file(path, size, pinned, checksum=checksums is not None)
+        if checksums is not None and digest != checksums.get(rel):
+            raise ValueError(f"{rel}: checksum {digest} does not match the manifest's {checksums.get(rel)}")
+        head = memoryview(buffer.numpy())
+        length = tensorfile.header_length(head[:8]) if size >= 8 else size
+        plan = tensorfile.parse_header(head[:length].tobytes(), size)
+        consume(rel, buffer, plan)
+
+    with ThreadPoolExecutor(max(1, readers), thread_name_prefix="ckpt-reader") as pool:
+        futures = [pool.submit(read_one, rel) for rel in sorted(paths, key=lambda r: -paths[r][1])]
+        wait(futures)
+    for future in futures:
+        if future.exception() is not None:
+            raise future.exception()
