@@ -122,6 +122,79 @@ def sft(
     typer.echo(f"wrote {path}")
 
 
+ckpt_app = typer.Typer(no_args_is_help=True, help="List, verify and export checkpoints.")
+app.add_typer(ckpt_app, name="ckpt")
+
+
+@ckpt_app.command("list")
+def ckpt_list(
+    directory: Path = typer.Argument(..., help="a checkpoint directory (checkpointing.checkpoint_dir)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
+) -> None:
+    """Steps in a checkpoint directory: committed (sizes checked) and uncommitted ones."""
+    from rlscale.ckpt.tools import list_steps
+
+    rows = list_steps(directory)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        typer.echo(f"no checkpoints in {directory}")
+    for row in rows:
+        size = f"{row['bytes'] / 1e9:8.3f} GB" if row["bytes"] is not None else " " * 11
+        metrics = "  ".join(f"{k}={v:.4g}" for k, v in sorted(row["metrics"].items())
+                            if k.startswith("val/") and isinstance(v, (int, float)))
+        note = "" if row["state"] == "intact" else f"  ({row['reason']})"
+        typer.echo(f"step {row['step']:>7}  {row['state']:<11} {size}  {metrics}{note}")
+
+
+@ckpt_app.command("verify")
+def ckpt_verify(
+    step_dir: Path = typer.Argument(..., help="a step_N directory"),
+    sizes_only: bool = typer.Option(False, "--sizes-only", help="skip checksums (do not read the data)"),
+) -> None:
+    """Whether a step is intact (every file's size and checksum as the manifest says), and why
+    not. Exit status 1 when it is damaged."""
+    from rlscale.ckpt.layout import verify_step_dir
+
+    if not step_dir.exists():
+        raise UserError(f"checkpoint {str(step_dir)!r} does not exist")
+    verdict = verify_step_dir(step_dir, checksums=not sizes_only)
+    typer.echo(f"{step_dir}: {verdict.reason if verdict.ok else 'damaged: ' + verdict.reason}")
+    if not verdict.ok:
+        raise typer.Exit(1)
+
+
+@ckpt_app.command("export")
+def ckpt_export(
+    step_dir: Path = typer.Argument(..., help="a committed step_N directory"),
+    out: Path = typer.Argument(..., help="new (or empty) directory for the Hugging Face model"),
+) -> None:
+    """Write the step's policy as a Hugging Face model directory (after verifying checksums)."""
+    from rlscale.ckpt.tools import export_policy
+
+    typer.echo(f"wrote {export_policy(step_dir, out)}")
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (measurements, not tests).")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("ckpt")
+def bench_ckpt(
+    directory: Optional[Path] = typer.Option(None, "--dir", help="target directory (default: a fresh temporary one)"),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="write the results here as JSON"),
+    size_gb: float = typer.Option(1.0, "--size-gb", min=0.001, help="state size (weights + AdamW) when --model is not given"),
+    model: Optional[str] = typer.Option(None, "--model", help="qwen2-0.5b, qwen2-1.5b: that architecture, random weights"),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda"),
+    writers: int = typer.Option(4, "--writers", min=1, help="rlscale writers (and readers) per rank"),
+) -> None:
+    """Checkpoint save/load: torch.save, DCP save/async_save and rlscale on one state and directory."""
+    from rlscale.bench.ckpt import run_benchmark
+
+    run_benchmark(directory, json_file, size_gb, model, device, writers, echo=typer.echo)
+
+
 def main() -> None:
     import click
 

@@ -31,8 +31,10 @@ class ProgressDisplay:
                  f"{metrics.get('throughput/tokens_per_s', 0.0):,.0f} tok/s"]
         if "val/accuracy" in metrics:
             parts.append(f"val {metrics['val/accuracy']:.3f}")
-        if "ckpt/stall_s" in metrics:
-            parts.append(f"ckpt {metrics['ckpt/stall_s']:.2f}s {metrics['ckpt/GBps']:.2f}GB/s "
+        if "ckpt/stall_s" in metrics:  # a save started this step
+            parts.append(f"ckpt stall {metrics['ckpt/stall_s']:.2f}s")
+        if "ckpt/GBps" in metrics:  # a save committed this step (async saves commit later)
+            parts.append(f"ckpt {metrics['ckpt/persist_s']:.1f}s {metrics['ckpt/GBps']:.2f}GB/s "
                          f"free {metrics['ckpt/free_GB']:.0f}GB")
         self._progress.update(self._task, completed=step, stats="  ".join(parts))
         if self.enabled and self._plain_every and step % self._plain_every == 0:

@@ -9,6 +9,16 @@ from rlscale.workers.group import LocalWorkerGroup
 from rlscale.workers.policy import PolicyWorker
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Tiny matmuls on a busy 2-core box: a second OpenMP thread makes each one ~1000x slower
+    (the pool waits for a descheduled thread), and pytest -n already uses the cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-model")

@@ -1,0 +1,53 @@
+"""What `rlscale ckpt list / verify / export` do, as plain functions."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from rlscale.ckpt import layout
+from rlscale.errors import UserError
+
+
+def list_steps(root: Path) -> list[dict]:
+    """Every step directory under `root`, oldest first: committed ones with their size check,
+    tmp ones (a save in progress, or one a crash left behind) marked as not trusted."""
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"checkpoint directory {str(root)!r} does not exist")
+    rows = []
+    for step, path in layout.committed_steps(root):
+        verdict = layout.verify_step_dir(path)
+        manifest = layout.read_manifest(path) or {}
+        rows.append({"step": step, "path": str(path), "state": "intact" if verdict.ok else "damaged",
+                     "reason": verdict.reason, "bytes": manifest.get("bytes"),
+                     "world_size": manifest.get("world_size"), "created_unix": manifest.get("created_unix"),
+                     "metrics": manifest.get("metrics", {})})
+    for path in layout.stale_tmp_dirs(root):
+        rows.append({"step": int(path.name.rsplit("_", 1)[1]), "path": str(path), "state": "uncommitted",
+                     "reason": "being written, or left by a crash (removed at the next start)", "bytes": None,
+                     "world_size": None, "created_unix": None, "metrics": {}})
+    return sorted(rows, key=lambda row: (row["step"], row["state"] == "uncommitted"))
+
+
+def export_policy(step_dir: Path, out: Path) -> Path:
+    """Copy a verified step's policy/ (a Hugging Face model dir) to `out`, which must be new or empty."""
+    step_dir, out = Path(step_dir), Path(out)
+    if not step_dir.is_dir():
+        raise UserError(f"checkpoint {str(step_dir)!r} is not a directory")
+    verdict = layout.verify_step_dir(step_dir, checksums=True)
+    if not verdict.ok:
+        raise UserError(f"checkpoint {str(step_dir)!r} is damaged: {verdict.reason}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"export target {str(out)!r} exists and is not an empty directory")
+    manifest = layout.read_manifest(step_dir)
+    prefix = "policy/"
+    policy_files = [rel for rel in manifest["files"] if rel.startswith(prefix)]
+    if not any(rel.endswith(".safetensors") for rel in policy_files):
+        raise UserError(f"checkpoint {str(step_dir)!r} holds no policy weights")
+    out.mkdir(parents=True, exist_ok=True)
+    for rel in policy_files:
+        target = out / rel[len(prefix):]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(step_dir / rel, target)
+    return out

@@ -1,0 +1,128 @@
+"""Saves that fail, crash or rot never pass for complete checkpoints."""
+
+import errno
+import threading
+
+import pytest
+
+from rlscale.ckpt import Checkpointer, layout, tensorfile
+from rlscale.errors import UserError
+from tests.ckpt.conftest import make_group, train_steps
+
+
+def checkpointer_for(cfg):
+    ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
+    ckpt.prepare()
+    return ckpt
+
+
+@pytest.fixture
+def saved(make_cfg):
+    """A run dir with step 1 committed, and its worker group."""
+    cfg = make_cfg("checkpointing.keep_top_k=1")
+    group = make_group(cfg)
+    train_steps(group.workers[0])
+    ckpt = checkpointer_for(cfg)
+    ckpt.save(1, group, {"step": 1}, {})
+    ckpt.wait()
+    return cfg, group, ckpt
+
+
+def test_a_write_error_mid_save_keeps_older_steps_and_commits_nothing(saved, monkeypatch):
+    cfg, group, ckpt = saved
+    real_write = tensorfile.write_file
+
+    def failing_write(path, buffer):
+        if "optim-r000-001" in path:  # one writer fails; the others succeed
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real_write(path, buffer)
+
+    monkeypatch.setattr(tensorfile, "write_file", failing_write)
+    train_steps(group.workers[0])
+    ckpt.save(2, group, {"step": 2}, {})  # the failure happens in the background...
+    with pytest.raises(UserError, match="step 2 failed: No space left on device"):
+        ckpt.wait()  # ...and is reported here (or at the next poll / save)
+    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["step_1"]
+    assert ckpt.latest() == cfg.checkpoint_dir / "step_1"
+    assert layout.verify_step_dir(ckpt.latest(), checksums=True).ok  # keep_top_k=1 deleted nothing
+
+    monkeypatch.setattr(tensorfile, "write_file", real_write)
+    ckpt.save(3, group, {"step": 3}, {})  # the engine recovers: next save works, retention runs
+    ckpt.wait()
+    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["step_3"]
+
+
+def test_a_crash_mid_save_leaves_a_tmp_dir_that_is_never_trusted(saved):
+    cfg, group, ckpt = saved
+    # what a killed process leaves: data files written, no manifest, no rename
+    tmp = cfg.checkpoint_dir / "tmp_step_2"
+    group.run_all("checkpoint_snapshot", [(str(tmp),)])
+    group.run_all("checkpoint_finish")
+    assert any(tmp.rglob("*.safetensors")) and not (tmp / "manifest.json").exists()
+    assert ckpt.latest() == cfg.checkpoint_dir / "step_1"
+    checkpointer_for(cfg)  # a new run's prepare() removes it
+    assert not tmp.exists()
+
+
+def test_a_flipped_byte_is_caught_by_verify_and_by_a_verifying_load(saved):
+    cfg, group, ckpt = saved
+    step = cfg.checkpoint_dir / "step_1"
+    assert layout.verify_step_dir(step, checksums=True).ok
+    shard = sorted((step / "policy").glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+    assert layout.verify_step_dir(step).ok  # same size: only the checksum sees it
+    verdict = layout.verify_step_dir(step, checksums=True)
+    assert not verdict.ok and shard.name in verdict.reason and "checksum" in verdict.reason
+    verifying = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing.model_copy(update={"verify_checksums": True}),
+                             cfg.to_yaml(), cfg.digest())
+    with pytest.raises(UserError, match="checksum"):
+        verifying.load(step, make_group(cfg))
+
+
+def test_a_truncated_file_makes_the_step_untrusted(saved):
+    cfg, group, ckpt = saved
+    step = cfg.checkpoint_dir / "step_1"
+    shard = sorted((step / "optim").glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    verdict = layout.verify_step_dir(step)
+    assert not verdict.ok and "bytes" in verdict.reason
+    assert ckpt.latest() is None
+    with pytest.raises(UserError, match="damaged"):
+        ckpt.load(step, group)
+
+
+def test_the_loop_waits_only_for_the_snapshot_and_one_save_is_in_flight(saved, monkeypatch):
+    cfg, group, ckpt = saved
+    gate = threading.Event()
+    real_write = tensorfile.write_file
+
+    def gated_write(path, buffer):
+        gate.wait(10)
+        return real_write(path, buffer)
+
+    monkeypatch.setattr(tensorfile, "write_file", gated_write)
+    report = ckpt.save(2, group, {"step": 2}, {})
+    assert not report.committed and report.stall_s < 5
+    assert ckpt.poll() == []  # persist still blocked
+    assert not (cfg.checkpoint_dir / "step_2").exists()
+    assert (cfg.checkpoint_dir / "step_1").exists()  # nothing is deleted before the newer commit
+
+    threading.Timer(0.3, gate.set).start()
+    second = ckpt.save(3, group, {"step": 3}, {})  # must wait for step 2 to commit
+    assert second.wait_s >= 0.2 and second.stall_s >= second.wait_s
+    done = ckpt.wait()
+    assert [r.step for r in done] == [2, 3] and all(r.committed for r in done)
+    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["step_3"]
+
+
+def test_synchronous_saves_return_committed(make_cfg):
+    cfg = make_cfg("checkpointing.async_save=false")
+    group = make_group(cfg)
+    ckpt = checkpointer_for(cfg)
+    report = ckpt.save(1, group, {}, {})
+    assert report.committed and (cfg.checkpoint_dir / "step_1" / "manifest.json").exists()
+    assert set(report.metrics()) >= {"ckpt/bytes", "ckpt/stall_s", "ckpt/persist_s", "ckpt/GBps", "ckpt/free_GB"}
+    assert ckpt.poll() == []
