@@ -10,7 +10,6 @@ the budget makes the stall longer, never the memory larger.
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -56,26 +55,26 @@ class RankEngine:
             parent.mkdir(parents=True, exist_ok=True)
         plans = {f.rel: f.plan() for f in files if f.tensors is not None}
         self._fit_buffers(plans)
-        pending, direct, total = [], [], 0
+        staged, direct, total = [], [], 0
         for spec in files:
             path = str(directory / spec.rel)
             if spec.tensors is None:
                 total += len(spec.data)
-                pending.append(self._pool.submit(_write_bytes, path, spec.rel, spec.data))
+                staged.append((_write_bytes, path, spec.rel, spec.data))
                 continue
             plan = plans[spec.rel]
             total += plan.size
             if spec.rel in self._buffers:
                 buffer = self._buffers[spec.rel][: plan.size]
                 tensorfile.fill(buffer, plan, spec.tensors)
-                ready = _copy_done_event(buffer)
-                pending.append(self._pool.submit(_write_staged, path, spec.rel, buffer, ready))
+                staged.append((_write_buffer, path, spec.rel, buffer))
             else:  # over the budget: written now, through a buffer freed when written
                 direct.append(self._pool.submit(_write_direct, path, spec.rel, plan, spec.tensors))
         if self.pinned and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # state is on the host: training may go on
         done, _ = wait(direct)
-        self._pending = pending + direct
+        # writers start only now: on a busy host they would slow the copies the loop waits for
+        self._pending = [self._pool.submit(*job) for job in staged] + direct
         self._started = started
         errors = [f.exception() for f in done if f.exception() is not None]
         if errors:
@@ -119,17 +118,7 @@ class RankEngine:
         self._buffers.clear()
 
 
-def _copy_done_event(buffer: torch.Tensor):
-    if buffer.is_pinned() and torch.cuda.is_available():
-        event = torch.cuda.Event()
-        event.record()
-        return event
-    return None
-
-
-def _write_staged(path: str, rel: str, buffer: torch.Tensor, ready) -> tuple[str, int, str]:
-    if ready is not None:
-        ready.synchronize()  # this file's device-to-host copies are complete
+def _write_buffer(path: str, rel: str, buffer: torch.Tensor) -> tuple[str, int, str]:
     return (rel, *tensorfile.write_file(path, buffer))
 
 
@@ -143,30 +132,3 @@ def _write_direct(path: str, rel: str, plan: tensorfile.FilePlan, tensors: dict)
 
 def _write_bytes(path: str, rel: str, data: bytes) -> tuple[str, int, str]:
     return (rel, *tensorfile.write_file(path, data))
-
-
-def read_files(paths: dict[str, tuple[str, int]], readers: int, pinned: bool, checksums: dict[str, str] | None,
-               consume) -> None:
-    """Read files in parallel; `consume(rel, buffer, plan)` runs in the reader thread as each one
-    arrives (so copies to the device overlap the remaining reads). paths: rel -> (path, size).
-    With `checksums`, every file's checksum is compared while it is read."""
-
-    def read_one(rel: str) -> None:
-        path, size = paths[rel]
-        actual = os.path.getsize(path)
-        if actual != size:
-            raise ValueError(f"{rel} has {actual} bytes, the manifest says {size}")
-        buffer, digest = tensorfile.read_file(path, size, pinned, checksum=checksums is not None)
-        if checksums is not None and digest != checksums.get(rel):
-            raise ValueError(f"{rel}: checksum {digest} does not match the manifest's {checksums.get(rel)}")
-        head = memoryview(buffer.numpy())
-        length = tensorfile.header_length(head[:8]) if size >= 8 else size
-        plan = tensorfile.parse_header(head[:length].tobytes(), size)
-        consume(rel, buffer, plan)
-
-    with ThreadPoolExecutor(max(1, readers), thread_name_prefix="ckpt-reader") as pool:
-        futures = [pool.submit(read_one, rel) for rel in sorted(paths, key=lambda r: -paths[r][1])]
-        wait(futures)
-    for future in futures:
-        if future.exception() is not None:
-            raise future.exception()

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from rlscale.ckpt.engine import FileSpec, RankEngine, read_files
+from rlscale.ckpt.engine import FileSpec, RankEngine
+from rlscale.ckpt.reader import read_files
 from rlscale.errors import UserError
 
 POLICY_DIR, OPTIM_DIR, RNG_DIR = "policy", "optim", "rng"
@@ -141,46 +142,55 @@ def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
 
 def load_worker_state(worker, step_dir: str | Path, manifest: dict, verify_checksums: bool, readers: int) -> None:
     """Restore weights, optimizer, scheduler and this rank's RNG from a verified step directory.
-    Files are read in parallel and copied straight into the model's tensors on their device."""
+    Files are read in parallel; weights land in the model's own tensors, moments on their
+    parameter's device (into the optimizer's existing state tensors when it has them)."""
     step_dir = Path(step_dir)
     files = manifest["files"]
     targets = model_tensors(worker.model)
     devices = {n: p.device for n, p in worker.model.named_parameters()}
-    pinned = torch.cuda.is_available() and any(t.is_cuda for t in targets.values())
+    existing = optimizer_flat(worker.model, worker.optimizer, worker.scheduler)[0]
     rng_file = f"{RNG_DIR}/rank{worker.rank}.safetensors"
     wanted = [rel for rel in files if rel.endswith(".safetensors")
               and (rel.startswith((f"{POLICY_DIR}/", f"{OPTIM_DIR}/")) or rel == rng_file)]
     loaded, moments, rng, lock = set(), {}, {}, threading.Lock()
 
-    def consume(rel: str, buffer: torch.Tensor, plan) -> None:
-        from rlscale.ckpt.tensorfile import views
+    def destination(rel: str, slot) -> torch.Tensor:
+        if rel.startswith(f"{POLICY_DIR}/"):
+            target = targets.get(slot.name)
+            if target is None or tuple(target.shape) != slot.shape:
+                raise ValueError(f"{rel}: tensor {slot.name!r} does not match the model")
+            if target.dtype == slot.dtype and target.is_contiguous():
+                return target  # read straight into the parameter
+            return torch.empty(slot.shape, dtype=slot.dtype, device=target.device)
+        if rel.startswith(f"{OPTIM_DIR}/"):
+            have = existing.get(slot.name)
+            if have is not None and have.dtype == slot.dtype and tuple(have.shape) == slot.shape and have.is_contiguous():
+                return have
+            # AdamW keeps its `step` counters on the host (unless capturable/fused)
+            device = "cpu" if slot.name.endswith("::step") else devices.get(slot.name.split("::")[0], "cpu")
+            return torch.empty(slot.shape, dtype=slot.dtype, device=device)
+        return torch.empty(slot.shape, dtype=slot.dtype)
 
-        tensors = views(buffer, plan)
+    def done(rel: str, tensors: dict[str, torch.Tensor]) -> None:
         if rel.startswith(f"{POLICY_DIR}/"):
             for name, tensor in tensors.items():
-                target = targets.get(name)
-                if target is None or target.shape != tensor.shape:
-                    raise ValueError(f"{rel}: tensor {name!r} does not match the model")
-                target.detach().copy_(tensor, non_blocking=pinned)
-            with lock:
+                if tensor is not targets[name]:
+                    targets[name].detach().copy_(tensor)  # another dtype: converted on copy
+        with lock:
+            if rel.startswith(f"{POLICY_DIR}/"):
                 loaded.update(tensors)
-        elif rel.startswith(f"{OPTIM_DIR}/"):
-            # moments go to their parameter's device now; AdamW keeps its `step` counters on the host
-            placed = {k: v if k.endswith("::step") else v.to(devices.get(k.split("::")[0], v.device), non_blocking=pinned)
-                      for k, v in tensors.items()}
-            with lock:
-                moments.update(placed)
-        else:
-            rng.update(tensors)
+            elif rel.startswith(f"{OPTIM_DIR}/"):
+                moments.update(tensors)
+            else:
+                rng.update(tensors)
 
     paths = {rel: (str(step_dir / rel), files[rel]) for rel in wanted}
     checksums = manifest.get("checksums", {}) if verify_checksums else None
+    cuda = any(t.is_cuda for t in targets.values())
     try:
-        read_files(paths, readers, pinned, checksums, consume)
+        read_files(paths, readers, checksums, destination, done, cuda)
     except (OSError, ValueError) as exc:
         raise UserError(f"checkpoint {str(step_dir)!r} cannot be loaded: {exc}") from None
-    if pinned:
-        torch.cuda.synchronize()
     missing = sorted(set(targets) - loaded)
     if missing:
         raise UserError(f"checkpoint {str(step_dir)!r} does not match the model: no weights for {missing[:3]}")

@@ -1,0 +1,1 @@
+"""Benchmarks: measurements run by hand (`rlscale bench ...`), never timed tests."""

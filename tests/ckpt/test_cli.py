@@ -1,0 +1,73 @@
+"""rlscale ckpt list / verify / export."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from rlscale.ckpt import Checkpointer
+from rlscale.cli import app
+from rlscale.errors import UserError
+from tests.ckpt.conftest import make_group, train_steps
+
+
+@pytest.fixture
+def run_dir(make_cfg):
+    cfg = make_cfg("checkpointing.keep_top_k=null")
+    group = make_group(cfg)
+    train_steps(group.workers[0])
+    ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
+    ckpt.prepare()
+    ckpt.save(1, group, {}, {"val/accuracy": 0.5})
+    ckpt.save(2, group, {}, {"val/accuracy": 0.75})
+    ckpt.wait()
+    (cfg.checkpoint_dir / "tmp_step_3").mkdir()
+    return cfg.checkpoint_dir, group.workers[0]
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_list_shows_committed_and_uncommitted_steps(run_dir):
+    root, _ = run_dir
+    result = invoke("ckpt", "list", root)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 3
+    assert "step       1  intact" in lines[0] and "val/accuracy=0.5" in lines[0]
+    assert "step       2  intact" in lines[1] and "val/accuracy=0.75" in lines[1]
+    assert "step       3  uncommitted" in lines[2]
+    assert isinstance(invoke("ckpt", "list", root / "nope").exception, UserError)
+
+
+def test_verify_exit_status_follows_the_checksums(run_dir):
+    root, _ = run_dir
+    step = root / "step_2"
+    ok = invoke("ckpt", "verify", step)
+    assert ok.exit_code == 0 and "checksums match" in ok.output
+    shard = sorted((step / "optim").glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    bad = invoke("ckpt", "verify", step)
+    assert bad.exit_code == 1 and "damaged" in bad.output and shard.name in bad.output
+    assert invoke("ckpt", "verify", "--sizes-only", step).exit_code == 0  # sizes alone cannot see it
+    (step / "manifest.json").unlink()
+    missing = invoke("ckpt", "verify", step)
+    assert missing.exit_code == 1 and "manifest.json is missing" in missing.output
+    assert isinstance(invoke("ckpt", "verify", root / "step_9").exception, UserError)
+
+
+def test_export_writes_a_model_dir_transformers_loads(run_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    root, worker = run_dir
+    out = tmp_path / "exported"
+    result = invoke("ckpt", "export", root / "step_2", out)
+    assert result.exit_code == 0, result.output
+    model = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(3, 60, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, worker.model(input_ids=ids).logits)
+    again = invoke("ckpt", "export", root / "step_2", out)
+    assert isinstance(again.exception, UserError) and "not an empty directory" in str(again.exception)
