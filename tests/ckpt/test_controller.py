@@ -1,0 +1,26 @@
+"""The GRPO loop saves in the background, logs each commit, and resumes where it stopped."""
+
+import json
+
+from rlscale.controller import train
+
+TINY_RUN = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "policy.train_global_batch_size=4",
+            "policy.generation.max_new_tokens=4", "grpo.val_at_start=false", "grpo.val_at_end=false",
+            "rewards.num_workers=1", "checkpointing.save_period=1", "logger.progress=false"]
+
+
+def test_loop_saves_every_step_logs_commits_and_resumes(make_cfg):
+    first = train(make_cfg(*TINY_RUN, "grpo.max_num_steps=2"))
+    cfg = make_cfg(*TINY_RUN, "grpo.max_num_steps=3")
+    assert first["final_step"] == 2
+    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["step_1", "step_2"]
+
+    resumed = train(cfg)
+    assert resumed["resumed_from"] == str(cfg.checkpoint_dir / "step_2") and resumed["steps_run"] == 1
+    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["step_2", "step_3"]  # keep_top_k=2
+    rows = [json.loads(line) for line in (cfg.checkpoint_dir.parent / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["ckpt/stall_s"] >= 0 for row in rows)  # every step saved
+    committed = [row["ckpt/committed_step"] for row in rows if "ckpt/committed_step" in row]
+    assert committed and all(row.get("ckpt/GBps", 1) > 0 for row in rows)
+    state = json.loads((cfg.checkpoint_dir / "step_3" / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["loader"]["consumed"] == 6  # 2 prompts a step, across the resume
