@@ -188,11 +188,14 @@ def bench_ckpt(
     model: Optional[str] = typer.Option(None, "--model", help="qwen2-0.5b, qwen2-1.5b: that architecture, random weights"),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda"),
     writers: int = typer.Option(4, "--writers", min=1, help="rlscale writers (and readers) per rank"),
+    grpo_steps: int = typer.Option(0, "--grpo-steps", min=0,
+                                   help="also time N GRPO steps with and without a save every step"),
+    grpo_set: Optional[list[str]] = typer.Option(None, "--grpo-set", help="config override for those runs (repeatable)"),
 ) -> None:
     """Checkpoint save/load: torch.save, DCP save/async_save and rlscale on one state and directory."""
     from rlscale.bench.ckpt import run_benchmark
 
-    run_benchmark(directory, json_file, size_gb, model, device, writers, echo=typer.echo)
+    run_benchmark(directory, json_file, size_gb, model, device, writers, grpo_steps, grpo_set, echo=typer.echo)
 
 
 def main() -> None:

@@ -134,6 +134,8 @@ class HostArena:
         self.registered = False
         if pinned and nbytes:
             self.registered = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)) == 0
+            if not self.registered:  # e.g. a sandbox refusing to lock memory: torch's allocator may still pin
+                self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def release(self) -> None:
         if self.registered:
