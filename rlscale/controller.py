@@ -245,7 +245,7 @@ class Run:
                     metrics.update(self.save({**state.last_val, **metrics}))
                 last_saved = step
             for committed in self.checkpointer.poll():  # saves whose background persist has finished
-                metrics.update(committed.metrics())
+                metrics.update(committed.commit_metrics())
             metrics.update(timer.pop())
             metrics.update(step_metrics(rollouts, rewards, scores, time.perf_counter() - step_started))
             metrics["data/epoch"] = self.loader.epoch

@@ -2,7 +2,7 @@
 
     report = checkpointer.save(step, group, trainer_state, metrics)  # returns after the snapshot
     ... next rollout runs while the workers' writer threads persist ...
-    for done in checkpointer.poll(): log(done.metrics())             # committed saves
+    for done in checkpointer.poll(): log(done.commit_metrics())      # committed saves
     checkpointer.close()                                             # waits for the last commit
 
 A save is snapshot (every worker copies its state into host staging buffers) -> persist (the
@@ -50,10 +50,14 @@ class SaveReport:
     def metrics(self) -> dict[str, float]:
         """The snapshot's numbers; once committed, the persist numbers as well."""
         out = {"ckpt/bytes": float(self.bytes), "ckpt/wait_s": self.wait_s, "ckpt/stall_s": self.stall_s}
-        if self.committed:
-            out.update({"ckpt/committed_step": float(self.step), "ckpt/persist_s": self.persist_s,
-                        "ckpt/GBps": self.gbps, "ckpt/free_GB": self.free_bytes / 1e9})
-        return out
+        return {**out, **self.commit_metrics()}
+
+    def commit_metrics(self) -> dict[str, float]:
+        """The persist numbers alone: what a later step logs when a background save commits."""
+        if not self.committed:
+            return {}
+        return {"ckpt/committed_step": float(self.step), "ckpt/persist_s": self.persist_s,
+                "ckpt/GBps": self.gbps, "ckpt/free_GB": self.free_bytes / 1e9}
 
 
 class Checkpointer:

@@ -1,6 +1,7 @@
 """One rank's half of a save: snapshot into reusable host buffers, persist with writer threads.
 
-`snapshot` returns as soon as the state is copied (the training loop's only wait); `finish`
+`snapshot` returns as soon as the state is copied, or its device copies queued (the training
+loop's only wait); `finish`
 blocks until every file is written and fsynced and returns sizes and checksums for the manifest.
 Staging buffers are allocated on the first save and reused (pinned when CUDA is present, so the
 device-to-host copies run at full bandwidth). Host memory is bounded: files that do not fit in the
@@ -10,6 +11,10 @@ the budget makes the stall longer, never the memory larger.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -38,18 +43,27 @@ class RankEngine:
     def __init__(self, writers: int, budget_bytes: int, pinned: bool | None = None):
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         self.budget_bytes = budget_bytes
-        self._pool = ThreadPoolExecutor(max(1, writers), thread_name_prefix="ckpt-writer")
+        self._pool = ThreadPoolExecutor(max(1, writers), thread_name_prefix="ckpt-writer", initializer=_yield_cpu)
         self._arena: HostArena | None = None
         self._layout: dict[str, tuple[int, int]] = {}  # rel -> (offset, size) in the arena
         self._buffers: dict[str, torch.Tensor] = {}  # rel -> staging buffer, reused across saves
         self._pending: list[Future] = []
         self._started = 0.0
+        self._stream = None  # side stream for device-to-host copies
+        self._copied = None  # event: the last snapshot's device copies are done
 
     def staged_bytes(self) -> int:
         return self._arena.tensor.numel() if self._arena is not None else 0
 
     def snapshot(self, directory: str | Path, files: list[FileSpec]) -> dict:
-        """Copy `files` into staging buffers and start writing them under `directory`."""
+        """Copy `files` into staging buffers and start writing them under `directory`.
+
+        Host tensors are copied before it returns. Device tensors are copied by a side stream
+        that starts after the work already queued (the last optimizer step) and runs on while
+        the caller goes on: the rollout that follows only reads the weights. Whatever changes
+        the saved tensors first calls fence(), which makes the GPU (not the CPU) wait for those
+        copies; workers hook it into optimizer.step. Writers wait for the copies too.
+        """
         self.abort()  # a failed earlier save may have left writers behind; they must not share buffers
         started = time.perf_counter()
         directory = Path(directory)
@@ -57,32 +71,54 @@ class RankEngine:
             parent.mkdir(parents=True, exist_ok=True)
         plans = {f.rel: f.plan() for f in files if f.tensors is not None}
         self._fit_buffers(plans)
+        on_device = [t for f in files if f.tensors for t in f.tensors.values() if t.is_cuda]
+        stream = self._copy_stream(on_device)
         staged, direct, total = [], [], 0
-        for spec in files:
-            path = str(directory / spec.rel)
-            if spec.tensors is None:
-                total += len(spec.data)
-                staged.append((_write_bytes, path, spec.rel, spec.data))
-                continue
-            plan = plans[spec.rel]
-            total += plan.size
-            if spec.rel in self._buffers:
-                buffer = self._buffers[spec.rel][: plan.size]
-                tensorfile.fill(buffer, plan, spec.tensors)
-                staged.append((_write_buffer, path, spec.rel, buffer))
-            else:  # over the budget: written now, through a buffer freed when written
-                direct.append(self._pool.submit(_write_direct, path, spec.rel, plan, spec.tensors))
-        if self.pinned and torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # state is on the host: training may go on
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for spec in files:
+                path = str(directory / spec.rel)
+                if spec.tensors is None:
+                    total += len(spec.data)
+                    staged.append((_write_bytes, path, spec.rel, spec.data))
+                    continue
+                plan = plans[spec.rel]
+                total += plan.size
+                if spec.rel in self._buffers:
+                    buffer = self._buffers[spec.rel][: plan.size]
+                    tensorfile.fill(buffer, plan, spec.tensors)
+                    staged.append((_write_buffer, path, spec.rel, buffer))
+                else:  # over the budget: written now, through a buffer freed when written
+                    direct.append(self._pool.submit(_write_direct, path, spec.rel, plan, spec.tensors))
+        ready = None
+        if stream is not None:
+            for tensor in on_device:  # the allocator must not hand their memory out mid-copy
+                tensor.record_stream(stream)
+            ready = self._copied = torch.cuda.Event()
+            ready.record(stream)
         done, _ = wait(direct)
         # writers start only now: on a busy host they would slow the copies the loop waits for
-        self._pending = [self._pool.submit(*job) for job in staged] + direct
+        self._pending = [self._pool.submit(*job, ready) for job in staged] + direct
         self._started = started
         errors = [f.exception() for f in done if f.exception() is not None]
         if errors:
             raise errors[0]
         return {"bytes": total, "stall_s": time.perf_counter() - started,
                 "direct_bytes": sum(plans[f.result()[0]].size for f in direct)}
+
+    def _copy_stream(self, on_device: list[torch.Tensor]):
+        """The side stream for device-to-host copies, ordered after the work queued so far."""
+        if not on_device:
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=on_device[0].device)
+        self._stream.wait_stream(torch.cuda.current_stream(on_device[0].device))
+        return self._stream
+
+    def fence(self) -> None:
+        """Make the current stream wait for the last snapshot's device copies (a GPU-side wait;
+        the CPU goes on). Call before changing any tensor a snapshot may still be reading."""
+        if self._copied is not None:
+            torch.cuda.current_stream().wait_event(self._copied)
 
     def _fit_buffers(self, plans: dict[str, tensorfile.FilePlan]) -> None:
         """A staging buffer per file, largest files first while they fit in the budget: slices of
@@ -127,23 +163,46 @@ class RankEngine:
 class HostArena:
     """One block of host memory for all staging buffers. With CUDA it is page-locked in place
     (cudaHostRegister, as DCP's stager does) so device copies into it run at full speed; torch's
-    pinned allocator would round the size up to a power of two, up to doubling the memory."""
+    pinned allocator would round the size up to a power of two, up to doubling the memory.
+    The block is an anonymous mmap: page-aligned pages of its own, which no other registration
+    can overlap (heap memory shares pages, and CUDA refuses to register a page twice)."""
 
     def __init__(self, nbytes: int, pinned: bool):
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self._map = mmap.mmap(-1, max(nbytes, 1))
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]
         self.registered = False
         if pinned and nbytes:
-            self.registered = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)) == 0
-            if not self.registered:  # e.g. a sandbox refusing to lock memory: torch's allocator may still pin
+            ptr = self.tensor.data_ptr()
+            self.registered = _off_thread(lambda: int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0)
+            if not self.registered:  # e.g. a locked-memory limit: torch's allocator may still pin
                 self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def release(self) -> None:
         if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            ptr = self.tensor.data_ptr()
+            _off_thread(lambda: torch.cuda.cudart().cudaHostUnregister(ptr))
             self.registered = False
 
 
-def _write_buffer(path: str, rel: str, buffer: torch.Tensor) -> tuple[str, int, str]:
+def _off_thread(call):
+    """Run a CUDA runtime call in a short-lived thread: a failure sets that thread's last-error
+    slot, which torch would otherwise report at the training thread's next kernel launch."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(call).result()
+
+
+def _yield_cpu() -> None:
+    """Writers run at a lower CPU priority (Linux nice is per thread): when cores are short,
+    the rollout the persist overlaps goes first; the writes themselves wait on storage anyway."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
+def _write_buffer(path: str, rel: str, buffer: torch.Tensor, ready) -> tuple[str, int, str]:
+    if ready is not None:
+        ready.synchronize()  # the device-to-host copies into the buffer are complete
     return (rel, *tensorfile.write_file(path, buffer))
 
 
@@ -155,5 +214,5 @@ def _write_direct(path: str, rel: str, plan: tensorfile.FilePlan, tensors: dict)
     return (rel, *tensorfile.write_file(path, buffer))
 
 
-def _write_bytes(path: str, rel: str, data: bytes) -> tuple[str, int, str]:
+def _write_bytes(path: str, rel: str, data: bytes, _ready=None) -> tuple[str, int, str]:
     return (rel, *tensorfile.write_file(path, data))

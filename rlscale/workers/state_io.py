@@ -233,7 +233,9 @@ class CheckpointableWorker:
     def _ckpt_engine(self) -> RankEngine:
         if getattr(self, "_engine", None) is None:
             s = self.ckpt_settings
-            self._engine = RankEngine(s.writers_per_rank, int(s.staging_budget_gb * 1e9))
+            self._engine = engine = RankEngine(s.writers_per_rank, int(s.staging_budget_gb * 1e9))
+            # a snapshot's device copies may still be reading the weights and moments: an update waits
+            self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: engine.fence())
         return self._engine
 
     def checkpoint_snapshot(self, directory: str) -> dict:
@@ -250,4 +252,5 @@ class CheckpointableWorker:
         self._ckpt_engine().abort()
 
     def load_checkpoint_shard(self, directory: str, manifest: dict, verify_checksums: bool = False) -> None:
+        self._ckpt_engine().fence()  # loading writes into the tensors in place
         load_worker_state(self, directory, manifest, verify_checksums, self.ckpt_settings.writers_per_rank)

@@ -1,4 +1,9 @@
-"""Tiny policy workers for checkpoint tests: a 2-layer Qwen2 built from a config, never downloaded."""
+"""Tiny policy workers for checkpoint tests: a 2-layer Qwen2 built from a config, never downloaded.
+
+RLSCALE_TEST_DEVICE=cuda runs them on a GPU (pinned staging, device copies, chunked reads).
+"""
+
+import os
 
 import pytest
 import torch
@@ -7,6 +12,9 @@ from rlscale.config import load_config
 from rlscale.models.tiny import build_char_tokenizer, build_tiny_model
 from rlscale.workers.group import LocalWorkerGroup
 from rlscale.workers.policy import PolicyWorker
+
+
+DEVICE = os.environ.get("RLSCALE_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -31,7 +39,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture
 def make_cfg(tiny_model_dir, tmp_path):
     def make(*overrides):
-        return load_config(None, [f"policy.model_name={tiny_model_dir}", "policy.device=cpu",
+        return load_config(None, [f"policy.model_name={tiny_model_dir}", f"policy.device={DEVICE}",
                                   "loss.reference_policy_kl_penalty=0", f"logger.log_dir={tmp_path / 'run'}",
                                   f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}", "checkpointing.writers_per_rank=2",
                                   *overrides])
@@ -46,7 +54,7 @@ def train_steps(worker, steps=2, seed=0):
     """A few AdamW steps on random tokens, so moments, scheduler and RNG all move."""
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        ids = torch.randint(3, 50, (2, 12), generator=gen)
+        ids = torch.randint(3, 50, (2, 12), generator=gen).to(worker.device)
         worker.optimizer.zero_grad()
         worker.model(input_ids=ids).logits.float().pow(2).mean().backward()
         worker.optimizer.step()

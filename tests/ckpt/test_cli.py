@@ -65,8 +65,8 @@ def test_export_writes_a_model_dir_transformers_loads(run_dir, tmp_path):
     out = tmp_path / "exported"
     result = invoke("ckpt", "export", root / "step_2", out)
     assert result.exit_code == 0, result.output
-    model = AutoModelForCausalLM.from_pretrained(out)
-    ids = torch.randint(3, 60, (1, 9))
+    model = AutoModelForCausalLM.from_pretrained(out).to(worker.device)
+    ids = torch.randint(3, 60, (1, 9), device=worker.device)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, worker.model(input_ids=ids).logits)
     again = invoke("ckpt", "export", root / "step_2", out)

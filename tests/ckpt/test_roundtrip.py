@@ -90,10 +90,10 @@ def test_hf_loads_the_policy_with_identical_logits(make_cfg):
     ckpt.save(1, group, {}, {})
     ckpt.wait()
     policy = cfg.checkpoint_dir / "step_1" / "policy"
-    loaded = AutoModelForCausalLM.from_pretrained(policy)
-    assert loaded.config.tie_word_embeddings
+    loaded = AutoModelForCausalLM.from_pretrained(policy).to(worker.device)
+    assert loaded.dtype == worker.model.dtype and loaded.config.tie_word_embeddings
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
-    ids = torch.randint(3, 60, (2, 11))
+    ids = torch.randint(3, 60, (2, 11), device=worker.device)
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, worker.model(input_ids=ids).logits)
     assert AutoTokenizer.from_pretrained(policy)("1+2=").input_ids == worker.tokenizer("1+2=").input_ids
@@ -143,3 +143,22 @@ def test_load_refuses_a_different_model(make_cfg, tmp_path):
     other = make_group(make_cfg(f"policy.model_name={other_dir}"))
     with pytest.raises(UserError, match="does not match the model"):
         ckpt.load(cfg.checkpoint_dir / "step_1", other)
+
+
+def test_training_right_after_the_snapshot_does_not_reach_the_save(make_cfg):
+    # on CUDA the device-to-host copies run on after save() returns; the optimizer's pre-step
+    # hook makes the update wait for them
+    cfg = make_cfg()
+    group = make_group(cfg)
+    worker = group.workers[0]
+    train_steps(worker)
+    before = full_state(worker)
+    ckpt = checkpointer_for(cfg)
+    ckpt.save(1, group, TRAINER_STATE, {})
+    train_steps(worker, steps=1, seed=3)  # no wait: straight on, as the GRPO loop does
+    ckpt.wait()
+    restored = make_group(cfg)
+    ckpt.load(cfg.checkpoint_dir / "step_1", restored)
+    assert_same_state(before, full_state(restored.workers[0]))
+    moved = full_state(worker)["moments"]  # the update did happen (weights may not move in bf16)
+    assert any(not torch.equal(before["moments"][k], moved[k]) for k in moved)
