@@ -7,9 +7,10 @@ Layout inside a step directory (rank r of W, writer j of `writers_per_rank`):
                                      param groups (by name) and the LR scheduler
   rng/rank{r}.safetensors / .json    torch (CPU, CUDA) and Python RNG states of rank r
 
-Workers hold full replicas, so saving is spread: rank r writes the parameters in its contiguous,
-byte-balanced slice of the parameter list (weights and moments together). Everything is keyed by
-name, so any worker count loads any checkpoint: each rank reads every weight and moment file.
+Saving is spread over ranks: rank r writes the parameters in its contiguous, byte-balanced slice
+of the parameter list (weights and moments together); FSDP2-sharded tensors are gathered for it
+(see rlscale/ckpt/sharded.py). Files hold whole tensors keyed by name, so any worker count,
+sharded or not, loads any checkpoint: each rank reads every weight and moment file.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from rlscale.ckpt import sharded
 from rlscale.ckpt.engine import FileSpec, RankEngine
 from rlscale.ckpt.reader import read_files
 from rlscale.errors import UserError
@@ -35,7 +37,7 @@ def model_tensors(model) -> dict[str, torch.Tensor]:
     """Saved tensors by name; a tied weight appears once, under its first name (as HF saves it)."""
     seen, out = set(), {}
     for name, tensor in model.state_dict().items():
-        key = (tensor.device, tensor.data_ptr())
+        key = sharded.storage_key(tensor)
         if tensor.numel() and key in seen:
             continue
         seen.add(key)
@@ -77,6 +79,11 @@ def rank_files(worker, writers: int) -> tuple[list[FileSpec], dict[str, str]]:
     names = list(weights)
     sizes = [_nbytes(weights[n]) + sum(_nbytes(t) for t in by_param.get(n, {}).values()) for n in names]
     mine = split_by_bytes(sizes, world)[rank]
+    owned = {names[i] for i in mine}
+    for name in names:  # same order on every rank: gathering a sharded tensor is a collective
+        weights[name] = sharded.whole(weights[name], name in owned)
+        for flat in sorted(by_param.get(name, {})):
+            by_param[name][flat] = sharded.whole(by_param[name][flat], name in owned)
     files, weight_map = [], {}
     for j, part in enumerate(split_by_bytes([sizes[i] for i in mine], writers)):
         chosen = [names[mine[i]] for i in part]
@@ -147,7 +154,7 @@ def load_worker_state(worker, step_dir: str | Path, manifest: dict, verify_check
     step_dir = Path(step_dir)
     files = manifest["files"]
     targets = model_tensors(worker.model)
-    devices = {n: p.device for n, p in worker.model.named_parameters()}
+    params = dict(worker.model.named_parameters())
     existing = optimizer_flat(worker.model, worker.optimizer, worker.scheduler)[0]
     rng_file = f"{RNG_DIR}/rank{worker.rank}.safetensors"
     wanted = [rel for rel in files if rel.endswith(".safetensors")
@@ -159,15 +166,17 @@ def load_worker_state(worker, step_dir: str | Path, manifest: dict, verify_check
             target = targets.get(slot.name)
             if target is None or tuple(target.shape) != slot.shape:
                 raise ValueError(f"{rel}: tensor {slot.name!r} does not match the model")
-            if target.dtype == slot.dtype and target.is_contiguous():
+            if target.dtype == slot.dtype and target.is_contiguous() and not sharded.is_sharded(target):
                 return target  # read straight into the parameter
             return torch.empty(slot.shape, dtype=slot.dtype, device=target.device)
         if rel.startswith(f"{OPTIM_DIR}/"):
             have = existing.get(slot.name)
-            if have is not None and have.dtype == slot.dtype and tuple(have.shape) == slot.shape and have.is_contiguous():
+            if (have is not None and have.dtype == slot.dtype and tuple(have.shape) == slot.shape
+                    and have.is_contiguous() and not sharded.is_sharded(have)):
                 return have
             # AdamW keeps its `step` counters on the host (unless capturable/fused)
-            device = "cpu" if slot.name.endswith("::step") else devices.get(slot.name.split("::")[0], "cpu")
+            param = params.get(slot.name.split("::")[0])
+            device = "cpu" if slot.name.endswith("::step") or param is None else param.device
             return torch.empty(slot.shape, dtype=slot.dtype, device=device)
         return torch.empty(slot.shape, dtype=slot.dtype)
 
@@ -175,7 +184,15 @@ def load_worker_state(worker, step_dir: str | Path, manifest: dict, verify_check
         if rel.startswith(f"{POLICY_DIR}/"):
             for name, tensor in tensors.items():
                 if tensor is not targets[name]:
-                    targets[name].detach().copy_(tensor)  # another dtype: converted on copy
+                    sharded.assign(targets[name], tensor)  # a slice of it, or another dtype
+        elif rel.startswith(f"{OPTIM_DIR}/"):
+            for flat, tensor in list(tensors.items()):
+                have, param = existing.get(flat), params.get(flat.split("::")[0])
+                if have is not None and sharded.is_sharded(have):
+                    sharded.assign(have, tensor)
+                    tensors[flat] = have
+                elif param is not None and sharded.is_sharded(param) and not flat.endswith("::step"):
+                    tensors[flat] = sharded.shard_like(param, tensor)
         with lock:
             if rel.startswith(f"{POLICY_DIR}/"):
                 loaded.update(tensors)
