@@ -33,6 +33,10 @@ POLICY_DIR, OPTIM_DIR, RNG_DIR = "policy", "optim", "rng"
 OPTIM_META = f"{OPTIM_DIR}/meta.json"
 
 
+class ModelMismatch(ValueError):
+    """The checkpoint's tensors are not this model's (another architecture or size)."""
+
+
 def model_tensors(model) -> dict[str, torch.Tensor]:
     """Saved tensors by name; a tied weight appears once, under its first name (as HF saves it)."""
     seen, out = set(), {}
@@ -164,8 +168,11 @@ def load_worker_state(worker, step_dir: str | Path, manifest: dict, verify_check
     def destination(rel: str, slot) -> torch.Tensor:
         if rel.startswith(f"{POLICY_DIR}/"):
             target = targets.get(slot.name)
-            if target is None or tuple(target.shape) != slot.shape:
-                raise ValueError(f"{rel}: tensor {slot.name!r} does not match the model")
+            if target is None:
+                raise ModelMismatch(f"{rel} holds {slot.name!r}, which the model does not have")
+            if tuple(target.shape) != slot.shape:
+                raise ModelMismatch(f"size mismatch for {slot.name}: {list(slot.shape)} in the checkpoint, "
+                                    f"{list(target.shape)} in the model")
             if target.dtype == slot.dtype and target.is_contiguous() and not sharded.is_sharded(target):
                 return target  # read straight into the parameter
             return torch.empty(slot.shape, dtype=slot.dtype, device=target.device)
@@ -206,11 +213,14 @@ def load_worker_state(worker, step_dir: str | Path, manifest: dict, verify_check
     cuda = any(t.is_cuda for t in targets.values())
     try:
         read_files(paths, readers, checksums, destination, done, cuda)
+        missing = sorted(set(targets) - loaded)
+        if missing:
+            raise ModelMismatch(f"no weights for {', '.join(missing[:3])}")
+    except ModelMismatch as exc:
+        raise UserError(f"checkpoint {str(step_dir)!r} does not match the model ({exc}); resume it with its "
+                        "own policy.model_name, or use a new logger.log_dir") from None
     except (OSError, ValueError) as exc:
         raise UserError(f"checkpoint {str(step_dir)!r} cannot be loaded: {exc}") from None
-    missing = sorted(set(targets) - loaded)
-    if missing:
-        raise UserError(f"checkpoint {str(step_dir)!r} does not match the model: no weights for {missing[:3]}")
     meta = json.loads((step_dir / OPTIM_META).read_text())
     _load_optimizer(worker, moments, meta, step_dir)
     if rng:  # a rank that did not exist at save time keeps the RNG it was seeded with

@@ -105,7 +105,7 @@ def crash_resumed_run(tmp_path_factory, tiny_model, resumed_run) -> dict:
     def build(directory: Path) -> dict:
         run = directory / "run"
         shutil.copytree(resumed_run["after_first"], run)
-        weights = run / "checkpoints" / "step_3" / "policy" / "model.safetensors"
+        weights = sorted((run / "checkpoints" / "step_3" / "policy").glob("model-*.safetensors"))[0]
         weights.write_bytes(weights.read_bytes()[:1000])  # shorter than its manifest says
         (run / "checkpoints" / "tmp_step_4").mkdir()
         (run / "checkpoints" / "tmp_step_4" / "half_written.bin").write_bytes(b"x" * 10)

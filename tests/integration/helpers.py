@@ -98,3 +98,13 @@ def step_dirs(root: Path) -> list[str]:
 def train_args(model: Path, log_dir: Path, steps: int, *extra: str) -> list[str]:
     return ["train", *TINY_RUN, f"policy.model_name={model}", f"grpo.max_num_steps={steps}",
             f"logger.log_dir={log_dir}", *extra]
+
+
+def policy_weights(step_dir: Path) -> dict:
+    """A checkpoint's policy weights, from every safetensors shard in its policy/ directory."""
+    from safetensors.torch import load_file
+
+    weights = {}
+    for shard in sorted((Path(step_dir) / "policy").glob("*.safetensors")):
+        weights.update(load_file(shard))
+    return weights

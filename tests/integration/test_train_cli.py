@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import REWARD, read_jsonl, step_dirs, train_rows
+from tests.integration.helpers import REWARD, policy_weights, read_jsonl, step_dirs, train_rows
 
 STEP_KEYS = [
     "reward/mean", "reward/std", "accuracy", "response/length_mean", "train/loss", "train/kl",
@@ -81,7 +81,12 @@ def test_checkpoint_time_is_logged_on_save_steps_only(first):
     assert [row["step"] for row in rows if "time/checkpoint_s" in row] == [2, 3]
     assert all(row["time/checkpoint_s"] >= 0.0 for row in rows if "time/checkpoint_s" in row)
     assert [row["step"] for row in rows if "ckpt/bytes" in row] == [2, 3]
-    assert all(row["ckpt/bytes"] > 100_000 and row["ckpt/free_GB"] > 0 for row in rows if "ckpt/bytes" in row)
+    assert all(row["ckpt/bytes"] > 100_000 and row["ckpt/stall_s"] >= 0 for row in rows if "ckpt/bytes" in row)
+    # saves persist in the background: a commit is logged by a later step (step 3's save waits
+    # for step 2's commit), and the last one commits after the loop
+    commits = [row for row in rows if "ckpt/committed_step" in row]
+    assert [row["ckpt/committed_step"] for row in commits] == [2]
+    assert all(row["ckpt/free_GB"] > 0 and row["ckpt/GBps"] > 0 and row["ckpt/persist_s"] > 0 for row in commits)
 
 
 def test_summary_after_first_run(first):
@@ -115,9 +120,12 @@ def test_checkpoints_are_committed_with_manifest_and_state(first):
         step_dir = root / f"step_{step}"
         manifest = json.loads((step_dir / "manifest.json").read_text())
         assert manifest["step"] == step
-        for required in ("policy/model.safetensors", "policy/config.json", "trainer_state.json", "config.yaml",
-                         "optimizer_rank0.safetensors", "rng_rank0.safetensors"):
+        for required in ("policy/model.safetensors.index.json", "policy/config.json", "trainer_state.json",
+                         "config.yaml", "optim/meta.json", "rng/rank0.safetensors"):
             assert required in manifest["files"], required
+        for prefix in ("policy/model-", "optim/optim-"):  # weights and moments, in safetensors shards
+            assert any(rel.startswith(prefix) and rel.endswith(".safetensors") for rel in manifest["files"]), prefix
+        assert manifest["checksums"].keys() == manifest["files"].keys()
         for rel, size in manifest["files"].items():
             assert (step_dir / rel).stat().st_size == size, rel
         digests.add(manifest["config_digest"])
@@ -181,7 +189,6 @@ def test_restart_advances_the_loader_and_keeps_the_newest_two(second):
 
 def test_resumed_run_matches_a_straight_run(second, straight_run):
     """Restarting from step 3 changes nothing: same rewards, losses and final weights as one run."""
-    from safetensors.torch import load_file
     import torch
 
     _ok(straight_run["result"])
@@ -196,9 +203,9 @@ def test_resumed_run_matches_a_straight_run(second, straight_run):
     assert [row["step"] for row in straight if "val/accuracy" in row] == [2, 4]
     assert list((Path(straight_run["run"]) / "tensorboard").glob("events.out.tfevents.*"))
     assert step_dirs(Path(straight_run["run"]) / "checkpoints") == ["step_4", "step_5"]
-    final = "checkpoints/step_5/policy/model.safetensors"
-    a_weights = load_file(Path(straight_run["run"]) / final)
-    b_weights = load_file(Path(second["run"]) / final)
+    final = "checkpoints/step_5"
+    a_weights = policy_weights(Path(straight_run["run"]) / final)
+    b_weights = policy_weights(Path(second["run"]) / final)
     assert a_weights.keys() == b_weights.keys()
     assert all(torch.equal(a_weights[k], b_weights[k]) for k in a_weights)
 
