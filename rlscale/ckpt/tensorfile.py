@@ -111,8 +111,13 @@ def fill(buffer: torch.Tensor, plan: FilePlan, tensors: dict[str, torch.Tensor])
     """Copy a file's header and tensors into `buffer` (uint8, at least plan.size long).
     From CUDA into pinned memory the copies are asynchronous: synchronise before reading it."""
     buffer[: len(plan.header)].copy_(torch.frombuffer(bytearray(plan.header), dtype=torch.uint8))
-    for slot in plan.slots:
-        buffer[slot.start:slot.end].copy_(as_bytes(tensors[slot.name]), non_blocking=True)
+    targets = list(views(buffer, plan).values())
+    sources = [tensors[slot.name].detach() for slot in plan.slots]
+    try:  # one call queues every copy: no per-tensor Python overhead while the loop waits
+        torch._foreach_copy_(targets, sources, non_blocking=True)
+    except (RuntimeError, TypeError, AttributeError):
+        for target, source in zip(targets, sources):
+            target.copy_(source, non_blocking=True)
 
 
 def views(buffer: torch.Tensor, plan: FilePlan) -> dict[str, torch.Tensor]:

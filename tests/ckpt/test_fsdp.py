@@ -4,6 +4,7 @@ checkpoint loads into a plain worker and into transformers: files hold whole ten
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -12,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from rlscale.ckpt import Checkpointer, layout
 from rlscale.config import CheckpointingConfig
 from rlscale.workers.state_io import CheckpointableWorker, model_tensors, optimizer_flat
-from tests.ckpt.conftest import full_state, make_group, train_steps
+from tests.ckpt.conftest import DEVICE, full_state, make_group, train_steps
 
 SETTINGS = CheckpointingConfig(writers_per_rank=2, keep_top_k=None)
 
@@ -81,6 +82,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, root: str, out: 
         dist.destroy_process_group()
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the sharded ranks run on CPU with gloo")
 def test_sharded_ranks_resume_a_plain_save_and_write_one_a_plain_worker_loads(make_cfg, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
