@@ -1,10 +1,9 @@
 """One rank's half of a save: snapshot into reusable host buffers, persist with writer threads.
 
 `snapshot` returns as soon as the state is copied, or its device copies queued (the training
-loop's only wait); `finish`
-blocks until every file is written and fsynced and returns sizes and checksums for the manifest.
-Staging buffers are allocated on the first save and reused (pinned when CUDA is present, so the
-device-to-host copies run at full bandwidth). Host memory is bounded: files that do not fit in the
+loop's only wait); `finish` blocks until every file is written and fsynced and returns sizes and
+checksums for the manifest. Staging buffers are allocated on the first save and reused (pinned
+when CUDA is present, so the device-to-host copies run at full bandwidth). Host memory is bounded: files that do not fit in the
 staging budget are written during the snapshot through a transient buffer, so a state larger than
 the budget makes the stall longer, never the memory larger.
 """
