@@ -7,8 +7,10 @@
 
 A save is snapshot (every worker copies its state into host staging buffers) -> persist (the
 workers' writer threads write and fsync their files into tmp_step_N/) -> commit (here, in a
-background thread: small controller files, the policy's weight index, then manifest.json with
-sizes and checksums, fsync, rename to step_N/, fsync of the checkpoint dir, retention).
+background thread that polls the workers until their writers are done: small controller files,
+the policy's weight index, then manifest.json with sizes and checksums, fsync, rename to
+step_N/, fsync of the checkpoint dir, retention). The workers' methods it calls:
+checkpoint_snapshot, checkpoint_poll, checkpoint_abort, load_checkpoint_shard.
 At most one save is in flight: a save waits for the previous commit and reports how long.
 """
 
@@ -131,7 +133,7 @@ class Checkpointer:
                 started: float) -> None:
         try:
             try:
-                results = group.run_all("checkpoint_finish")
+                results = wait_for_writers(group)
             except BaseException:
                 group.run_all("checkpoint_abort")
                 raise
@@ -216,6 +218,16 @@ class Checkpointer:
                     raise UserError(f"checkpoint {str(step_dir)!r} is damaged: {rel} does not match its checksum")
         group.run_all("load_checkpoint_shard", [(str(step_dir), manifest, verify)] * group.world_size)
         return json.loads((step_dir / layout.TRAINER_STATE).read_text())
+
+
+def wait_for_writers(group, interval_s: float = 0.05) -> list[dict]:
+    """Every worker's finished persist (files, checksums). Workers are polled rather than asked to
+    block: a worker that serves one call at a time stays free for the rollout meanwhile."""
+    while True:
+        results = group.run_all("checkpoint_poll")
+        if all(result is not None for result in results):
+            return results
+        time.sleep(interval_s)
 
 
 def _reraise(step: int, exc: BaseException) -> None:

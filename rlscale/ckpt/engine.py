@@ -50,6 +50,8 @@ class RankEngine:
         self._started = 0.0
         self._stream = None  # side stream for device-to-host copies
         self._copied = None  # event: the last snapshot's device copies are done
+        self._result: dict | None = None  # the last save's finish() result, for poll()
+        self._poll_lock = threading.Lock()
 
     def staged_bytes(self) -> int:
         return self._arena.tensor.numel() if self._arena is not None else 0
@@ -64,6 +66,7 @@ class RankEngine:
         copies; workers hook it into optimizer.step. Writers wait for the copies too.
         """
         self.abort()  # a failed earlier save may have left writers behind; they must not share buffers
+        self._result = None
         started = time.perf_counter()
         directory = Path(directory)
         for parent in {(directory / f.rel).parent for f in files}:
@@ -144,6 +147,17 @@ class RankEngine:
                 raise future.exception()
         files = {rel: [size, checksum] for rel, size, checksum in (f.result() for f in pending)}
         return {"files": files, "persist_s": time.perf_counter() - self._started}
+
+    def poll(self) -> dict | None:
+        """finish()'s result once every writer is done (the same result until the next snapshot),
+        else None at once. A worker answering polls never blocks, so in a serial actor (Ray's
+        default) the commit's polling does not hold up the rollout the persist overlaps."""
+        with self._poll_lock:  # a second poller must not take finish()'s result away
+            if self._result is None:
+                if any(not future.done() for future in self._pending):
+                    return None
+                self._result = self.finish()
+            return self._result
 
     def abort(self) -> None:
         """Wait for any writers still running and drop their results (after a failed save)."""

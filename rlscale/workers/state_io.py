@@ -255,7 +255,8 @@ def _names_of(model, params) -> list[str]:
 class CheckpointableWorker:
     """Checkpoint methods for a worker with model, optimizer, scheduler, tokenizer, rank,
     world_size and `ckpt_settings` (a CheckpointingConfig). The controller calls them through
-    its worker group: snapshot (returns once the state is on the host), finish, abort, load."""
+    its worker group: snapshot (returns once the state is on the host), poll or finish (the
+    persist's files and checksums), abort, load."""
 
     def _ckpt_engine(self) -> RankEngine:
         if getattr(self, "_engine", None) is None:
@@ -274,6 +275,9 @@ class CheckpointableWorker:
 
     def checkpoint_finish(self) -> dict:
         return self._ckpt_engine().finish()
+
+    def checkpoint_poll(self) -> dict | None:
+        return self._ckpt_engine().poll()
 
     def checkpoint_abort(self) -> None:
         self._ckpt_engine().abort()

@@ -107,6 +107,7 @@ def test_the_loop_waits_only_for_the_snapshot_and_one_save_is_in_flight(saved, m
     report = ckpt.save(2, group, {"step": 2}, {})
     assert not report.committed and report.stall_s < 5
     assert ckpt.poll() == []  # persist still blocked
+    assert group.workers[0].checkpoint_poll() is None  # the worker answers at once meanwhile
     assert not (cfg.checkpoint_dir / "step_2").exists()
     assert (cfg.checkpoint_dir / "step_1").exists()  # nothing is deleted before the newer commit
 

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from rlscale.ckpt import Checkpointer, layout
+from rlscale.ckpt.checkpointer import wait_for_writers
 from rlscale.config import CheckpointingConfig
 from rlscale.workers.state_io import CheckpointableWorker, model_tensors, optimizer_flat
 from tests.ckpt.conftest import DEVICE, full_state, make_group, train_steps
@@ -76,7 +77,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, root: str, out: 
         else:
             tmp = str(Path(root) / layout.tmp_dir_name(2))
             group.run_all("checkpoint_snapshot", [(tmp,)] * world)
-            group.run_all("checkpoint_finish")
+            wait_for_writers(group)  # mirrors rank 0's commit thread, poll for poll
         dist.barrier()
     finally:
         dist.destroy_process_group()
