@@ -104,7 +104,8 @@ def drop_cache(directory: Path) -> None:
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                if hasattr(os, "posix_fadvise"):  # macOS has none: reads there may be cached
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
 

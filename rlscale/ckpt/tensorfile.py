@@ -143,8 +143,9 @@ def write_file(path: str, buffer: torch.Tensor | bytes) -> tuple[int, str]:
                 written = os.write(fd, piece)
                 piece = piece[written:]
         os.fsync(fd)
-        # the pages are clean now and nobody reads a checkpoint soon: free them for the run
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if hasattr(os, "posix_fadvise"):  # not on macOS
+            # the pages are clean now and nobody reads a checkpoint soon: free them for the run
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
     return len(view), f"{CHECKSUM}:{hasher.hexdigest()}"
