@@ -153,8 +153,7 @@ def ckpt_verify(
     step_dir: Path = typer.Argument(..., help="a step_N directory"),
     sizes_only: bool = typer.Option(False, "--sizes-only", help="skip checksums (do not read the data)"),
 ) -> None:
-    """Whether a step is intact (every file's size and checksum as the manifest says), and why
-    not. Exit status 1 when it is damaged."""
+    """Whether a step is intact (file sizes and checksums as its manifest says), and why not; exit 1 if damaged."""
     from rlscale.ckpt.layout import verify_step_dir
 
     if not step_dir.exists():

@@ -325,6 +325,8 @@ def run_benchmark(directory: Path | None, json_file: Path | None, size_gb: float
                   echo=print) -> dict:
     from rlscale.models.loading import pick_device
 
+    if model is not None and model not in MODELS:
+        raise UserError(f"--model {model!r}: known models are {', '.join(MODELS)}")
     device = pick_device(device_name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if directory is None:
