@@ -34,7 +34,9 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
 
 
 class PolicyWorker(state_io.CheckpointableWorker):
-    def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1, distributed_group: bool | None = None):
+        """distributed_group: join torch.distributed and shard with FSDP2 (default: when world_size > 1);
+        False builds a plain replica, as tests of rank-aware code in one process do."""
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         policy = cfg.policy
@@ -42,7 +44,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
         random.seed(cfg.grpo.seed + rank)
         self.device = pick_device(policy.device)
         self.dtype = pick_dtype(policy.dtype, self.device)
-        if world_size > 1:
+        self.sharded = world_size > 1 if distributed_group is None else distributed_group
+        if self.sharded:
             if self.device.type == "cuda":
                 torch.cuda.set_device(0)  # Ray gives each worker actor one visible GPU
             distributed.init_process_group(rank, world_size, self.device, cfg.cluster.collective_timeout_s)
@@ -56,7 +59,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         if cfg.loss.reference_policy_kl_penalty > 0:
             self.reference = load_model(policy.model_name, self.dtype, self.device, policy.trust_remote_code)
             self.reference.eval().requires_grad_(False)
-        if world_size > 1:
+        if self.sharded:
             for model in (self.model, self.reference):
                 if model is not None:
                     distributed.shard_model(model)
@@ -101,7 +104,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         out = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_config,
             tokenizer=tok if params.stop_strings else None,
-            synced_gpus=self.world_size > 1)  # sharded ranks must run the same number of forwards
+            synced_gpus=self.sharded)  # sharded ranks must run the same number of forwards
         new_tokens = out[:, width:].tolist()
         responses, truncated = [], []
         for row in new_tokens:

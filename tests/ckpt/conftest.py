@@ -47,7 +47,8 @@ def make_cfg(tiny_model_dir, tmp_path):
 
 
 def make_group(cfg, world_size=1):
-    return LocalWorkerGroup(lambda rank, size: PolicyWorker(cfg, rank, size), world_size)
+    """In-process replicas: rank-aware saving and loading without a process group."""
+    return LocalWorkerGroup(lambda rank, size: PolicyWorker(cfg, rank, size, distributed_group=False), world_size)
 
 
 def train_steps(worker, steps=2, seed=0):
