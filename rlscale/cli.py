@@ -197,6 +197,26 @@ def bench_ckpt(
     run_benchmark(directory, json_file, size_gb, model, device, writers, grpo_steps, grpo_set, echo=typer.echo)
 
 
+@bench_app.command("scale")
+def bench_scale(
+    model: str = typer.Option("qwen2-0.5b", "--model", help="qwen2-0.5b, qwen2-1.5b, qwen2-7b (random weights), tiny"),
+    workers: list[int] = typer.Option([1, 2], "--workers", help="worker counts to run (repeatable)"),
+    prompts_per_worker: int = typer.Option(16, "--prompts-per-worker", min=1),
+    generations: int = typer.Option(8, "--generations", min=2),
+    new_tokens: int = typer.Option(256, "--new-tokens", min=1),
+    steps: int = typer.Option(4, "--steps", min=2, help="GRPO steps per run; the first is not timed"),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="write the results here as JSON"),
+    override: Optional[list[str]] = typer.Option(None, "--set", help="extra config override (repeatable)"),
+) -> None:
+    """GRPO step time and tokens/s on 1..N Ray workers with the same work per worker."""
+    from rlscale.bench.scale import QWEN2_SHAPES, format_table, run_benchmark
+
+    if model not in QWEN2_SHAPES:
+        raise UserError(f"--model {model!r}: choose one of {', '.join(QWEN2_SHAPES)}")
+    out = run_benchmark(model, workers, prompts_per_worker, generations, new_tokens, steps, json_file, override or [])
+    typer.echo(format_table(out))
+
+
 def main() -> None:
     import click
 
