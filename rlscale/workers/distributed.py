@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -48,3 +49,43 @@ def as_float(value) -> float:
     if hasattr(value, "full_tensor"):
         value = value.full_tensor()
     return float(value)
+
+
+def local_gpu_index() -> int:
+    """The GPU this worker owns.
+
+    Ray worker groups leave CUDA_VISIBLE_DEVICES unmasked (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES):
+    with one GPU visible per process, NCCL loses its peer-to-peer paths and falls back to slow
+    transports. Each worker then selects Ray's assignment itself, as torchrun's LOCAL_RANK does.
+    """
+    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):
+        import ray  # only set inside a Ray worker actor
+
+        gpu_ids = ray.get_gpu_ids()
+        if gpu_ids:
+            return int(gpu_ids[0])
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+@contextmanager
+def gathered(model, enabled: bool = True):
+    """Hold the full parameters of an FSDP2 model for a while (generation, logprob passes).
+
+    Sharded, every forward all-gathers every block: per token when decoding, with all ranks
+    in lockstep. Gathered once, each rank runs forwards on its own, as many as it needs.
+    """
+    if not enabled:
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+            module.set_reshard_after_forward(True, recurse=False)

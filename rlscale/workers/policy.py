@@ -47,7 +47,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self.sharded = world_size > 1 if distributed_group is None else distributed_group
         if self.sharded:
             if self.device.type == "cuda":
-                torch.cuda.set_device(0)  # Ray gives each worker actor one visible GPU
+                torch.cuda.set_device(distributed.local_gpu_index())
             distributed.init_process_group(rank, world_size, self.device, cfg.cluster.collective_timeout_s)
         self.tokenizer = load_tokenizer(policy.tokenizer_name or policy.model_name, policy.trust_remote_code)
         self.renderer = PromptRenderer(
@@ -101,10 +101,11 @@ class PolicyWorker(state_io.CheckpointableWorker):
             use_cache=True,
         )
         self.model.eval()
-        out = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_config,
-            tokenizer=tok if params.stop_strings else None,
-            synced_gpus=self.sharded)  # sharded ranks must run the same number of forwards
+        with distributed.gathered(self.model, self.sharded):
+            # gathered weights: each rank decodes on its own, stopping when its own samples end
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_config,
+                tokenizer=tok if params.stop_strings else None)
         new_tokens = out[:, width:].tolist()
         responses, truncated = [], []
         for row in new_tokens:
@@ -127,10 +128,12 @@ class PolicyWorker(state_io.CheckpointableWorker):
         model.eval()
         micro = micro_batch_size or self.cfg.policy.train_micro_batch_size or len(batch)
         pieces = []
-        for start in range(0, len(batch), micro):
-            part = batch.slice(start, start + micro).to(self.device)
-            logprobs, _ = self._forward_logprobs(model, part)
-            pieces.append(torch.nn.functional.pad(logprobs.cpu(), (0, batch.response_mask.shape[1] - logprobs.shape[1])))
+        with distributed.gathered(model, self.sharded):
+            for start in range(0, len(batch), micro):
+                part = batch.slice(start, start + micro).to(self.device)
+                logprobs, _ = self._forward_logprobs(model, part)
+                width = batch.response_mask.shape[1]
+                pieces.append(torch.nn.functional.pad(logprobs.cpu(), (0, width - logprobs.shape[1])))
         return torch.cat(pieces)
 
     def train(self, steps: list[TrainBatch], global_tokens: list[float], global_samples: int,

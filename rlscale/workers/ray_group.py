@@ -94,6 +94,8 @@ class RayWorkerGroup:
         rendezvous = ray.remote(_rendezvous_impl).options(num_cpus=0, scheduling_strategy=in_bundle(0))
         address, port = ray.get(rendezvous.remote())
         env = {"MASTER_ADDR": address, "MASTER_PORT": str(port), "WORLD_SIZE": str(self.world_size)}
+        if use_gpus:  # every GPU stays visible to every worker: NCCL's P2P/NVLink paths need it
+            env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
         self.actors = [
             actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
