@@ -329,7 +329,8 @@ def run_benchmark(directory: Path | None, json_file: Path | None, size_gb: float
         raise UserError(f"--model {model!r}: known models are {', '.join(MODELS)}")
     device = pick_device(device_name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if directory is None:
+    own_dir = directory is None
+    if own_dir:
         directory = Path(tempfile.mkdtemp(prefix="rlscale-bench-ckpt-"))
     directory = Path(directory)
     try:
@@ -351,6 +352,8 @@ def run_benchmark(directory: Path | None, json_file: Path | None, size_gb: float
            "model": model or f"qwen2-arch {params / 1e6:.0f}M", "params": params, "dtype": str(dtype).split(".")[1],
            "writers_per_rank": writers, "dir": str(directory), "limits": limits, "results": results,
            "targets": target_checks(nbytes, limits, results)}
+    if own_dir:
+        shutil.rmtree(directory, ignore_errors=True)
     echo(format_table(out))
     if json_file is not None:
         Path(json_file).write_text(json.dumps(out, indent=2) + "\n")

@@ -44,3 +44,26 @@ def test_a_killed_worker_ends_the_run_with_its_name_not_a_hang(tiny_model, tmp_p
     assert "Traceback" not in result.output
     assert elapsed < 200
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_two_sharded_workers_checkpoint_and_one_worker_resumes(tiny_model, tmp_path):
+    """FSDP2 ranks save their shares of every step (whole tensors by name); a 1-worker run resumes."""
+    from transformers import AutoModelForCausalLM
+
+    log_dir = tmp_path / "run"
+    first = run_cli("train", *RAY_RUN, f"policy.model_name={tiny_model}", "grpo.max_num_steps=2",
+                    "checkpointing.save_period=1", "grpo.val_at_end=false", f"logger.log_dir={log_dir}", cwd=tmp_path)
+    assert first.returncode == 0, first.output
+    step_2 = log_dir / "checkpoints" / "step_2"
+    manifest = json.loads((step_2 / "manifest.json").read_text())
+    assert manifest["world_size"] == 2
+    assert {rel.split("-")[1] for rel in manifest["files"] if rel.startswith("optim/optim-")} == {"r000", "r001"}
+    AutoModelForCausalLM.from_pretrained(step_2 / "policy")  # a plain HF directory despite the sharding
+
+    one = [arg for arg in RAY_RUN if not arg.startswith("cluster.gpus_per_node")]
+    second = run_cli("train", *one, f"policy.model_name={tiny_model}", "grpo.max_num_steps=3",
+                     "checkpointing.save_period=1", "grpo.val_at_end=false", f"logger.log_dir={log_dir}", cwd=tmp_path)
+    assert second.returncode == 0, second.output
+    summary = json.loads((log_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == str(step_2) and summary["steps_run"] == 1
+    assert json.loads((log_dir / "checkpoints" / "step_3" / "manifest.json").read_text())["world_size"] == 1
