@@ -61,6 +61,8 @@ class PolicyConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights dtype; auto = bfloat16 on CUDA, float32 on CPU")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when present")
+    cpu_threads: int | None = Field(
+        None, ge=1, description="torch threads of a worker on CPU; null = half the cores (the rest score rewards)")
     prompt_format: Literal["auto", "chat", "plain"] = Field(
         "auto", description="auto = tokenizer's chat template when it has one, else plain text")
     trust_remote_code: bool = Field(False, description="allow model code from the hub")

@@ -7,6 +7,7 @@ group, in this process or (later) in a remote actor.
 from __future__ import annotations
 
 import math
+import os
 import random
 from dataclasses import dataclass
 
@@ -44,6 +45,10 @@ class PolicyWorker(state_io.CheckpointableWorker):
         random.seed(cfg.grpo.seed + rank)
         self.device = pick_device(policy.device)
         self.dtype = pick_dtype(policy.dtype, self.device)
+        if self.device.type == "cpu":
+            # OpenMP threads spin-wait: with every core taken, one busy core (the reward pool, a
+            # second worker) makes each small matmul wait for a descheduled thread.
+            torch.set_num_threads(policy.cpu_threads or max(1, (os.cpu_count() or 2) // 2))
         self.sharded = world_size > 1 if distributed_group is None else distributed_group
         if self.sharded:
             if self.device.type == "cuda":
