@@ -7,15 +7,7 @@ import yaml
 
 from rlscale.config import Config, derive_sizes, iter_reference, load_config, parse_override
 from rlscale.errors import UserError
-
-SEED_OVERRIDES = [
-    "policy.model_name=Qwen/Qwen2.5-72B-Instruct", "cluster.num_nodes=8", "cluster.gpus_per_node=8",
-    "grpo.max_num_steps=20", "grpo.num_generations_per_prompt=8", "grpo.num_prompts_per_step=32",
-    "policy.train_global_batch_size=256", "checkpointing.enabled=True", "checkpointing.save_period=2",
-    "checkpointing.keep_top_k=2", "checkpointing.metric_name=null", "checkpointing.checkpoint_dir=/lustre/run/",
-    "data.dataset_name=DeepScaler", "logger.wandb_enabled=False",
-]
-
+from tests.integration.helpers import SEED_OVERRIDES
 
 # 256 samples per step, 128 per optimizer step, independent of the defaults
 TWO_STEPS = ["grpo.num_prompts_per_step=32", "grpo.num_generations_per_prompt=8", "policy.train_global_batch_size=128"]

@@ -35,7 +35,9 @@ class ScoreResult:
     num_timeouts: int = 0
     num_errors: int = 0
     seconds: float = 0.0
-    first_error: str | None = None  # "sample i: Type: message", for the log
+    # "sample i: Type: message" of the lowest-index failing sample (not the first to fail in
+    # time, which depends on worker scheduling), for the log
+    first_error: str | None = None
 
 
 # ---------------------------------------------------------------- worker process side
@@ -166,14 +168,19 @@ class RewardScorer:
             if not worker.process.is_alive():
                 self._replace(worker, pending)
 
+        first_error_index = len(responses)
+
         def record(index: int, status: str, value) -> None:
+            nonlocal first_error_index
             if status == _OK:
                 result.rewards[index] = value
             elif status == _TIMEOUT:
                 result.num_timeouts += 1
             else:
                 result.num_errors += 1
-                result.first_error = result.first_error or f"sample {index}: {value}"
+                if index < first_error_index:  # workers finish out of order; keep it stable
+                    first_error_index = index
+                    result.first_error = f"sample {index}: {value}"
 
         left = len(responses)
         try:

@@ -27,7 +27,11 @@ def _rendezvous_impl() -> tuple[str, int]:
 
 
 class WorkerFailure(UserError):
-    """A worker died (OOM, lost node, crash): the step cannot finish; resume from a checkpoint."""
+    """A worker failed (OOM, lost node, crash): the step cannot finish; resume from a checkpoint."""
+
+
+class WorkerDied(WorkerFailure):
+    """The worker's process is gone."""
 
 
 def _ray():
@@ -108,26 +112,23 @@ class RayWorkerGroup:
         self.facts = self._get([actor.ready.remote() for actor in self.actors])
 
     def _get(self, refs: list) -> list[Any]:
-        """ray.get, but a dead worker fails the call at once with its rank and cause."""
+        """ray.get, but a failed worker fails the call at once with its rank and cause."""
         ray = _ray()
-        from ray.exceptions import RayActorError, RayTaskError
-
         pending = list(refs)
         started = time.monotonic()
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
             for ref in done:
-                try:
-                    ray.get(ref)
-                except RayActorError as exc:
-                    rank = refs.index(ref)
-                    raise WorkerFailure(f"worker rank {rank} died: {_cause(exc)}") from None
-                except RayTaskError as exc:
-                    rank = refs.index(ref)
-                    cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-                    if isinstance(cause, UserError):
-                        raise UserError(str(cause)) from None
-                    raise WorkerFailure(f"worker rank {rank} failed: {_cause(cause)}") from None
+                failure = _failure(ray, ref, refs.index(ref))
+                if failure is None:
+                    continue
+                if pending and not isinstance(failure, WorkerDied):
+                    # A dead rank's peers fail in their collectives too, sometimes before Ray
+                    # reports the death: name the rank that died, not a bystander.
+                    late, _ = ray.wait(pending, num_returns=len(pending), timeout=5.0)
+                    deaths = [f for f in (_failure(ray, r, refs.index(r)) for r in late) if isinstance(f, WorkerDied)]
+                    failure = deaths[0] if deaths else failure
+                raise failure
             if self.call_timeout_s and time.monotonic() - started > self.call_timeout_s:
                 raise WorkerFailure(f"workers did not answer within {self.call_timeout_s:.0f}s")
         return ray.get(refs)
@@ -147,6 +148,22 @@ class RayWorkerGroup:
             ray.kill(actor, no_restart=True)
         self.actors = []
         ray.util.remove_placement_group(self._pg)
+
+
+def _failure(ray, ref, rank: int) -> Exception | None:
+    """The error a finished call ended with, as the one-line error the user will see; None if it succeeded."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    try:
+        ray.get(ref)
+    except RayActorError as exc:
+        return WorkerDied(f"worker rank {rank} died: {_cause(exc)}")
+    except RayTaskError as exc:
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        if isinstance(cause, UserError):
+            return UserError(str(cause))
+        return WorkerFailure(f"worker rank {rank} failed: {_cause(cause)}")
+    return None
 
 
 def _cause(exc: BaseException) -> str:

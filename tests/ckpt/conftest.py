@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from rlscale.ckpt import Checkpointer
 from rlscale.config import load_config
 from rlscale.models.tiny import build_char_tokenizer, build_tiny_model
 from rlscale.workers.group import LocalWorkerGroup
@@ -49,6 +50,13 @@ def make_cfg(tiny_model_dir, tmp_path):
 def make_group(cfg, world_size=1):
     """In-process replicas: rank-aware saving and loading without a process group."""
     return LocalWorkerGroup(lambda rank, size: PolicyWorker(cfg, rank, size, distributed_group=False), world_size)
+
+
+def checkpointer_for(cfg):
+    """The run's Checkpointer, prepared, as the controller makes it."""
+    ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
+    ckpt.prepare()
+    return ckpt
 
 
 def train_steps(worker, steps=2, seed=0):

@@ -4,10 +4,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from rlscale.ckpt import Checkpointer
 from rlscale.cli import app
 from rlscale.errors import UserError
-from tests.ckpt.conftest import make_group, train_steps
+from tests.ckpt.conftest import checkpointer_for, make_group, train_steps
 
 
 @pytest.fixture
@@ -15,8 +14,7 @@ def run_dir(make_cfg):
     cfg = make_cfg("checkpointing.keep_top_k=null")
     group = make_group(cfg)
     train_steps(group.workers[0])
-    ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
-    ckpt.prepare()
+    ckpt = checkpointer_for(cfg)
     ckpt.save(1, group, {}, {"val/accuracy": 0.5})
     ckpt.save(2, group, {}, {"val/accuracy": 0.75})
     ckpt.wait()

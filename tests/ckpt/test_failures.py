@@ -7,13 +7,7 @@ import pytest
 
 from rlscale.ckpt import Checkpointer, layout, tensorfile
 from rlscale.errors import UserError
-from tests.ckpt.conftest import make_group, train_steps
-
-
-def checkpointer_for(cfg):
-    ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
-    ckpt.prepare()
-    return ckpt
+from tests.ckpt.conftest import checkpointer_for, make_group, train_steps
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from rlscale.ckpt import Checkpointer, layout
 from rlscale.ckpt.checkpointer import wait_for_writers
 from rlscale.config import CheckpointingConfig
 from rlscale.workers.state_io import CheckpointableWorker, model_tensors, optimizer_flat
-from tests.ckpt.conftest import DEVICE, full_state, make_group, train_steps
+from tests.ckpt.conftest import DEVICE, checkpointer_for, full_state, make_group, train_steps
 
 SETTINGS = CheckpointingConfig(writers_per_rank=2, keep_top_k=None)
 
@@ -91,8 +91,7 @@ def test_sharded_ranks_resume_a_plain_save_and_write_one_a_plain_worker_loads(ma
     plain = make_group(cfg)
     train_steps(plain.workers[0])
     saved = full_state(plain.workers[0])
-    ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
-    ckpt.prepare()
+    ckpt = checkpointer_for(cfg)
     ckpt.save(1, plain, {"step": 1}, {})
     ckpt.wait()
 

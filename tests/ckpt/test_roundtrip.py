@@ -6,17 +6,10 @@ import random
 import pytest
 import torch
 
-from rlscale.ckpt import Checkpointer
-from tests.ckpt.conftest import assert_same_state, full_state, make_group, train_steps
+from tests.ckpt.conftest import assert_same_state, checkpointer_for, full_state, make_group, train_steps
 
 TRAINER_STATE = {"step": 3, "loader": {"seed": 42, "epoch": 1, "position": 17, "consumed": 113, "size": 96,
                                        "shuffle": True}, "eval_before": {"val/accuracy": 0.25}, "wall_s": 1.5}
-
-
-def checkpointer_for(cfg):
-    ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
-    ckpt.prepare()
-    return ckpt
 
 
 def test_round_trip_is_bit_exact_and_training_continues_identically(make_cfg):

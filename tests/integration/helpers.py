@@ -14,6 +14,15 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REWARD = "tests.integration.rewards_for_tests:digit_share"
 
+# The seed's job line: a 64-GPU run's overrides (the config and --dry-run tests use it).
+SEED_OVERRIDES = [
+    "policy.model_name=Qwen/Qwen2.5-72B-Instruct", "cluster.num_nodes=8", "cluster.gpus_per_node=8",
+    "grpo.max_num_steps=20", "grpo.num_generations_per_prompt=8", "grpo.num_prompts_per_step=32",
+    "policy.train_global_batch_size=256", "checkpointing.enabled=True", "checkpointing.save_period=2",
+    "checkpointing.keep_top_k=2", "checkpointing.metric_name=null", "checkpointing.checkpoint_dir=/lustre/run/",
+    "data.dataset_name=DeepScaler", "logger.wandb_enabled=False",
+]
+
 # 4 prompts × 4 samples = 16 per step, 8 per optimizer step: 2 optimizer steps per GRPO step.
 # On the CPU even where a GPU exists: the resume tests compare runs bit for bit.
 TINY_RUN = [

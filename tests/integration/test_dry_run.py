@@ -6,15 +6,7 @@ import time
 
 import yaml
 
-from tests.integration.helpers import run_cli
-
-SEED_OVERRIDES = [
-    "policy.model_name=Qwen/Qwen2.5-72B-Instruct", "cluster.num_nodes=8", "cluster.gpus_per_node=8",
-    "grpo.max_num_steps=20", "grpo.num_generations_per_prompt=8", "grpo.num_prompts_per_step=32",
-    "policy.train_global_batch_size=256", "checkpointing.enabled=True", "checkpointing.save_period=2",
-    "checkpointing.keep_top_k=2", "checkpointing.metric_name=null", "checkpointing.checkpoint_dir=/lustre/run/",
-    "data.dataset_name=DeepScaler", "logger.wandb_enabled=False",
-]
+from tests.integration.helpers import SEED_OVERRIDES, run_cli
 
 
 def test_dry_run_of_the_seed_job_line(tmp_path):

@@ -66,6 +66,15 @@ def test_errors_bad_values_and_dead_workers_are_counted(user_scorer):
     assert user_scorer.score(["a"], ["a"]).rewards == [1.0]
 
 
+def test_first_error_is_the_lowest_failing_sample_not_the_first_to_fail():
+    # One sample per chunk, one chunk per worker: sample 1 fails at once, sample 0 half a
+    # second later. The log names sample 0 whatever order the workers answer in.
+    with RewardScorer(USER, timeout_s=5.0, num_workers=2) as scorer:
+        result = scorer.score(["slow boom", "boom", "a"], ["x", "x", "a"])
+    assert result.rewards == [0.0, 0.0, 1.0] and result.num_errors == 2
+    assert result.first_error == "sample 0: ValueError: slow boom"
+
+
 @pytest.mark.parametrize("name", ["returns_nan", "returns_text"])
 def test_non_finite_or_non_numeric_rewards_are_errors(name):
     with RewardScorer(f"tests.rewards.user_rewards:{name}", timeout_s=1.0, num_workers=1) as scorer:

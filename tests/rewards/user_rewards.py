@@ -10,6 +10,9 @@ def exact(response: str, answer: str) -> float:
         time.sleep(30)  # far past any test timeout: the worker must be killed
     if response == "boom":
         raise ValueError("boom")
+    if response == "slow boom":
+        time.sleep(0.5)
+        raise ValueError("slow boom")
     if response == "die":
         os._exit(3)
     return float(response == answer)
