@@ -19,6 +19,7 @@ from rlscale.ckpt import Checkpointer
 from rlscale.config import Config, derive_sizes
 from rlscale.data import PromptLoader, build_datasets
 from rlscale.errors import UserError
+from rlscale.fsutil import ensure_writable_dir, write_atomic
 from rlscale.evaluate import EvalResult, evaluate, is_correct
 from rlscale.grpo import group_advantages
 from rlscale.rewards import RewardScorer
@@ -39,24 +40,9 @@ class TrainerState:
     wall_s: float = 0.0
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary name, then rename: readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def prepare_run_dir(cfg: Config) -> Path:
     """Create the run directory and check it takes files (config.yaml is written after resuming)."""
-    run_dir = Path(cfg.logger.log_dir)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".rlscale_write_probe"
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except OSError as exc:
-        raise UserError(f"logger.log_dir {str(run_dir)!r} is not writable: {exc.strerror}") from None
-    return run_dir
+    return ensure_writable_dir(Path(cfg.logger.log_dir), "logger.log_dir")
 
 
 def sampling_params(cfg: Config, temperature: float | None = None) -> SamplingParams:

@@ -29,6 +29,7 @@ from rlscale.ckpt.retention import steps_to_delete
 from rlscale.ckpt.tensorfile import file_checksum, write_file
 from rlscale.config import CheckpointingConfig
 from rlscale.errors import UserError
+from rlscale.fsutil import ensure_writable_dir
 
 WEIGHT_INDEX = "policy/model.safetensors.index.json"
 
@@ -75,13 +76,7 @@ class Checkpointer:
 
     def prepare(self) -> None:
         """Check the directory is writable and remove saves a crash left half-written."""
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / ".rlscale_write_probe"
-            probe.write_bytes(b"ok")
-            probe.unlink()
-        except OSError as exc:
-            raise UserError(f"checkpointing.checkpoint_dir {str(self.root)!r} is not writable: {exc.strerror}") from None
+        ensure_writable_dir(self.root, "checkpointing.checkpoint_dir")
         for stale in layout.stale_tmp_dirs(self.root):
             shutil.rmtree(stale, ignore_errors=True)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from rlscale.data.problem import Problem, apply_template
-from rlscale.errors import UserError
+from rlscale.errors import UserError, short_reason
 
 
 class BadRow(Exception):
@@ -114,7 +114,7 @@ def read_parquet(path: str, fields: FieldMap, key: str = "data.train_path") -> l
                 raise fields.missing(f"'{path}'", k, names)
         table = pq.read_table(p, columns=[fields.prompt_key, fields.answer_key])
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-        raise UserError(f"cannot read parquet file '{path}': {_short(exc)}") from None
+        raise UserError(f"cannot read parquet file '{path}': {short_reason(exc, 200)}") from None
     return _non_empty(_columns_to_problems(
         f"'{path}'", fields, table.column(fields.prompt_key).to_pylist(),
         table.column(fields.answer_key).to_pylist()), f"'{path}'")
@@ -128,13 +128,6 @@ def _columns_to_problems(label: str, fields: FieldMap, texts: list, answers: lis
         except BadRow as exc:
             raise UserError(f"{label} row {i}: {exc}") from None
     return problems
-
-
-def _short(exc: BaseException) -> str:
-    """First line of an exception's message, capped, so a UserError stays one line."""
-    lines = str(exc).strip().splitlines()
-    text = lines[0] if lines else type(exc).__name__
-    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def read_hf(name: str, subset: str | None, split: str, fields: FieldMap) -> list[Problem]:
@@ -155,7 +148,7 @@ def read_hf(name: str, subset: str | None, split: str, fields: FieldMap) -> list
     except UserError:
         raise
     except Exception as exc:  # offline, unknown id, bad subset or split, corrupt cache, ...
-        raise UserError(f"cannot load {label}: {_short(exc)}") from None
+        raise UserError(f"cannot load {label}: {short_reason(exc, 200)}") from None
     for k in (fields.prompt_key, fields.answer_key):
         if k not in ds.column_names:
             raise fields.missing(label, k, ds.column_names)

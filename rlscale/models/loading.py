@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from rlscale.errors import UserError
+from rlscale.errors import UserError, short_reason
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -47,11 +47,6 @@ def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
     return getattr(torch, choice)
 
 
-def _short_reason(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
-
-
 def quiet_transformers() -> None:
     """Progress bars and advice from transformers would drown the run's own display."""
     from transformers.utils import logging
@@ -68,7 +63,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises many types for a bad id or path
-        raise UserError(f"cannot load tokenizer {name!r}: {_short_reason(exc)}") from None
+        raise UserError(f"cannot load tokenizer {name!r}: {short_reason(exc)}") from None
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise UserError(f"tokenizer {name!r} has neither a pad nor an eos token")
@@ -85,5 +80,5 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, trust_remote
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code)
     except Exception as exc:
-        raise UserError(f"cannot load model {name!r}: {_short_reason(exc)}") from None
+        raise UserError(f"cannot load model {name!r}: {short_reason(exc)}") from None
     return model.to(device)

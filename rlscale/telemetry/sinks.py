@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from rlscale.errors import UserError
+from rlscale.fsutil import write_atomic
 
 
 class JsonlSink:
@@ -27,9 +28,7 @@ class JsonlSink:
                             kept.append(line + "\n")
                     except ValueError:
                         continue  # a line cut short by a crash
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            tmp.write_text("".join(kept), encoding="utf-8")
-            tmp.replace(self.path)
+            write_atomic(self.path, "".join(kept))
         self._file = self.path.open("a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

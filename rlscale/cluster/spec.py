@@ -1,0 +1,362 @@
+"""The typed config of a KubeRay cluster for rlscale (`rlscale cluster render --config cluster.yaml`).
+
+Defaults reproduce the seed's cluster (SEED.md, part 3): 8 B200 nodes of 8 GPUs, the Lustre PVC
+at /lustre, the head's ports 6379/8265/10001. Every value is checked before anything is written;
+a bad one is a `UserError` naming its key. Secret *values* never appear here: only the name of
+the Kubernetes Secret and the keys it holds.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rlscale.errors import UserError
+
+# The image the seed runs. It holds NeMo-RL, not rlscale: install rlscale through `job.pip` (runtime
+# env) or, better, build an image `FROM` it with `pip install rlscale` and set `image:` to that.
+SEED_IMAGE = "nvcr.io/nvidia/nemo-rl:v0.4.0"
+SECRET_KEYS = ("HF_TOKEN", "WANDB_API_KEY")
+MAX_RAYCLUSTER_NAME = 53  # KubeRay: 63 minus the longest service suffix ("-serve-svc")
+MAX_RAYJOB_NAME = 47  # KubeRay appends 6 characters to name the RayJob's cluster
+
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_QUANTITY = re.compile(r"^(?P<num>[+]?(\d+(\.\d*)?|\.\d+))(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][+-]?\d+)?$")
+_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+           "m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+_DURATION = re.compile(r"^\d+(ms|s|m|h)$")
+
+
+def parse_quantity(text: str) -> Decimal:
+    """A Kubernetes resource quantity ('1000Gi', '500m', '8') as a number; ValueError if malformed."""
+    match = _QUANTITY.match(str(text).strip())
+    if not match:
+        raise ValueError(f"{text!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi, 1000Gi)")
+    number, suffix = Decimal(match["num"]), match["suffix"] or ""
+    if suffix[:1] in ("e", "E"):
+        return number * (Decimal(10) ** int(suffix[1:]))
+    return number * Decimal(_SUFFIX.get(suffix, 1))
+
+
+def _quantity(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"expected a Kubernetes quantity, got {value!r}")
+    text = str(value).strip()
+    try:
+        if parse_quantity(text) <= 0:
+            raise ValueError(f"{text!r} must be greater than zero")
+    except InvalidOperation:
+        raise ValueError(f"{text!r} is not a Kubernetes quantity") from None
+    return text
+
+
+def _dns_label(value: str, what: str, max_len: int = 63, rfc1035: bool = False) -> str:
+    pattern = _DNS1035_LABEL if rfc1035 else _DNS1123_LABEL
+    if len(value) > max_len or not pattern.match(value):
+        first = "a letter" if rfc1035 else "a letter or digit"
+        raise ValueError(f"{value!r} is not a valid {what}: at most {max_len} lowercase letters, digits "
+                         f"and '-', starting with {first} and ending with a letter or digit")
+    return value
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class HeadResources(_Section):
+    cpu_request: str = Field("8", description="head CPU request")
+    cpu_limit: str = Field("32", description="head CPU limit")
+    memory_request: str = Field("64Gi", description="head memory request")
+    memory_limit: str = Field("1000Gi", description="head memory limit")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _q(cls, value):
+        return _quantity(value)
+
+    @model_validator(mode="after")
+    def _request_within_limit(self):
+        for kind in ("cpu", "memory"):
+            request, limit = getattr(self, f"{kind}_request"), getattr(self, f"{kind}_limit")
+            if parse_quantity(request) > parse_quantity(limit):
+                raise ValueError(f"head.{kind}_request ({request}) is larger than head.{kind}_limit ({limit})")
+        return self
+
+
+class WorkerResources(_Section):
+    group_name: str = Field("gpu-worker-group", description="the worker group's name")
+    cpu: str = Field("100", description="CPU per worker pod (request = limit)")
+    memory: str = Field("1000Gi", description="memory per worker pod (request = limit)")
+    shm_size: str | None = Field(None, description="size limit of the /dev/shm memory emptyDir (none: unbounded)")
+
+    @field_validator("cpu", "memory", mode="before")
+    @classmethod
+    def _q(cls, value):
+        return _quantity(value)
+
+    @field_validator("shm_size", mode="before")
+    @classmethod
+    def _shm(cls, value):
+        return None if value is None else _quantity(value)
+
+    @field_validator("group_name")
+    @classmethod
+    def _name(cls, value):
+        return _dns_label(value, "worker group name")
+
+
+class Toleration(_Section):
+    key: str
+    operator: Literal["Exists", "Equal"] = "Exists"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] = "NoSchedule"
+
+    @model_validator(mode="after")
+    def _value_matches_operator(self):
+        if self.operator == "Exists" and self.value is not None:
+            raise ValueError("a toleration with operator Exists takes no value")
+        return self
+
+
+class Storage(_Section):
+    pvc: str = Field("lustre-pvc", description="PersistentVolumeClaim of the shared file system")
+    mount_path: str = Field("/lustre", description="where the PVC is mounted in every Ray pod")
+
+    @field_validator("pvc")
+    @classmethod
+    def _pvc(cls, value):
+        return _dns_label(value, "PVC name", max_len=253)
+
+    @field_validator("mount_path")
+    @classmethod
+    def _path(cls, value):
+        if not value.startswith("/") or value.rstrip("/") in ("", "/dev/shm") or ".." in value.split("/"):
+            raise ValueError(f"{value!r} must be an absolute path other than / and /dev/shm")
+        return value.rstrip("/")
+
+
+class Ports(_Section):
+    gcs: int = Field(6379, ge=1, le=65535, description="head: GCS server (gcs-server)")
+    dashboard: int = Field(8265, ge=1, le=65535, description="head: dashboard and Jobs API")
+    client: int = Field(10001, ge=1, le=65535, description="head: Ray client")
+    ray_metrics: int = Field(8080, ge=1, le=65535, description="every pod: Ray's Prometheus metrics")
+    metrics: int = Field(9464, ge=1, le=65535, description="every pod: rlscale's Prometheus endpoint")
+
+    @model_validator(mode="after")
+    def _distinct(self):
+        seen: dict[int, str] = {}
+        for name, port in self.model_dump().items():
+            if port in seen:
+                raise ValueError(f"ports.{name} and ports.{seen[port]} are both {port}")
+            seen[port] = name
+        return self
+
+
+class SecretRef(_Section):
+    name: str = Field("rlscale-secrets", description="Kubernetes Secret holding HF_TOKEN / WANDB_API_KEY")
+    required_keys: list[str] = Field(default_factory=lambda: ["HF_TOKEN"], description="keys pods fail without")
+    optional_keys: list[str] = Field(default_factory=lambda: ["WANDB_API_KEY"], description="keys used if present")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value):
+        return _dns_label(value, "Secret name", max_len=253)
+
+    @field_validator("required_keys", "optional_keys")
+    @classmethod
+    def _keys(cls, value):
+        for key in value:
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"{key!r} is not an environment variable name")
+        return value
+
+    @model_validator(mode="after")
+    def _disjoint(self):
+        both = set(self.required_keys) & set(self.optional_keys)
+        if both:
+            raise ValueError(f"{sorted(both)[0]!r} is listed as both required and optional")
+        return self
+
+
+class JobSpec(_Section):
+    name: str = Field("rlscale-grpo", description="RayJob name (DNS-1035, at most 47 characters)")
+    overrides: list[str] = Field(default_factory=lambda: [
+        "policy.model_name=Qwen/Qwen2.5-72B-Instruct", "grpo.max_num_steps=20",
+        "grpo.num_generations_per_prompt=8", "grpo.num_prompts_per_step=32",
+        "policy.train_global_batch_size=256", "checkpointing.enabled=True", "checkpointing.save_period=2",
+        "checkpointing.keep_top_k=2", "checkpointing.checkpoint_dir=/lustre/rlscale-grpo",
+        "data.dataset_name=DeepScaler", "logger.wandb_enabled=False",
+    ], description="`rlscale train` overrides; cluster.num_nodes/gpus_per_node come from this file")
+    pip: list[str] = Field(default_factory=list, description="runtime-env pip packages (e.g. rlscale) when the image lacks them")
+    shutdown_after_finish: bool = Field(True, description="RayJob: delete the cluster when the job ends")
+    ttl_seconds_after_finished: int = Field(600, ge=0, description="RayJob: keep the cluster this long after the end")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value):
+        return _dns_label(value, "RayJob name", max_len=MAX_RAYJOB_NAME, rfc1035=True)
+
+    @field_validator("overrides")
+    @classmethod
+    def _overrides(cls, value):
+        from rlscale.config import load_config
+
+        for text in value:
+            if text.split("=", 1)[0].strip().lstrip("+") in ("cluster.num_nodes", "cluster.gpus_per_node"):
+                raise ValueError(f"{text!r}: set num_nodes / gpus_per_node at the top of this file instead")
+        try:
+            load_config(None, value)  # the keys and values `rlscale train` will be given
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+
+class Monitoring(_Section):
+    enabled: bool = Field(True, description="render a PodMonitoring (Google Managed Prometheus)")
+    interval: str = Field("30s", description="scrape interval")
+    scrape_ray_metrics: bool = Field(True, description="also scrape Ray's own metrics port")
+
+    @field_validator("interval")
+    @classmethod
+    def _interval(cls, value):
+        if not _DURATION.match(value):
+            raise ValueError(f"{value!r} is not a duration such as 30s or 1m")
+        return value
+
+
+class ClusterSpec(_Section):
+    name: str = Field("rlscale", description="RayCluster name (DNS-1035, at most 53 characters)")
+    namespace: str = Field("default", description="Kubernetes namespace")
+    image: str = Field(SEED_IMAGE, description="container image of every Ray pod (needs rlscale: see job.pip)")
+    ray_version: str = Field("2.54.0", description="Ray version inside the image")
+    num_nodes: int = Field(8, ge=1, description="GPU worker pods (replicas = min = max)")
+    gpus_per_node: int = Field(8, ge=1, description="GPUs per worker pod")
+    head: HeadResources = Field(default_factory=HeadResources)
+    worker: WorkerResources = Field(default_factory=WorkerResources)
+    node_selector: dict[str, str] = Field(
+        default_factory=lambda: {"cloud.google.com/gke-accelerator": "nvidia-b200"}, description="node selector of every pod")
+    tolerations: list[Toleration] = Field(default_factory=lambda: [Toleration(key="nvidia.com/gpu")])
+    storage: Storage = Field(default_factory=Storage)
+    ports: Ports = Field(default_factory=Ports)
+    env: dict[str, str] = Field(default_factory=lambda: {
+        "HF_HOME": "/lustre/huggingface_cache", "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
+    }, description="plain environment of every Ray container (never secrets)")
+    secret: SecretRef = Field(default_factory=SecretRef)
+    job: JobSpec = Field(default_factory=JobSpec)
+    monitoring: Monitoring = Field(default_factory=Monitoring)
+
+    @field_validator("num_nodes", "gpus_per_node", mode="before")
+    @classmethod
+    def _no_bool(cls, value):
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value):
+        return _dns_label(value, "RayCluster name", max_len=MAX_RAYCLUSTER_NAME, rfc1035=True)
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value):
+        return _dns_label(value, "namespace")
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value):
+        if not value or any(c.isspace() for c in value) or value != value.strip():
+            raise ValueError(f"{value!r} is not a container image reference")
+        return value
+
+    @field_validator("ray_version", mode="before")
+    @classmethod
+    def _ray_version(cls, value):
+        text = str(value)
+        if not re.match(r"^\d+\.\d+\.\d+$", text):
+            raise ValueError(f"{text!r} is not a Ray version such as 2.54.0")
+        return text
+
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, value):
+        for key, val in value.items():
+            if len(key) > 316 or not _LABEL_KEY.match(key):
+                raise ValueError(f"{key!r} is not a valid label key")
+            if len(val) > 63 or not _LABEL_VALUE.match(val):
+                raise ValueError(f"{val!r} (for {key!r}) is not a valid label value")
+        return value
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, value):
+        if not isinstance(value, dict):
+            return value
+        out = {}
+        for key, val in value.items():
+            if not isinstance(key, str) or not _ENV_NAME.match(key):
+                raise ValueError(f"{key!r} is not an environment variable name")
+            if key in SECRET_KEYS or re.search(r"TOKEN|SECRET|PASSWORD|API_KEY", key):
+                raise ValueError(f"{key} looks like a secret: list it under secret.required_keys or "
+                                 "secret.optional_keys and store it in the Kubernetes Secret")
+            if isinstance(val, (dict, list)) or val is None:
+                raise ValueError(f"env.{key} must be a plain value")
+            out[key] = str(val).lower() if isinstance(val, bool) else str(val)
+        return out
+
+    @model_validator(mode="after")
+    def _no_overlap(self):
+        for key in self.secret.required_keys + self.secret.optional_keys:
+            if key in self.env:
+                raise ValueError(f"{key} is both in env and in the Secret; keep it in the Secret only")
+        return self
+
+
+def _format(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return f"unknown cluster config key {loc!r}"
+    if first["type"] == "value_error":
+        reason = str(first["ctx"]["error"]) if "ctx" in first else first["msg"]
+        return f"cluster config key {loc!r}: {reason}" if loc else f"cluster config: {reason}"
+    got = first.get("input")
+    shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+    return f"cluster config key {loc!r}: {first['msg'].lower()}{shown}"
+
+
+def cluster_spec_from_dict(tree: dict[str, Any] | None) -> ClusterSpec:
+    """Validate a mapping (a parsed cluster.yaml); raises UserError naming the first bad key."""
+    if tree is not None and not isinstance(tree, dict):
+        raise UserError("cluster config must be a mapping of keys")
+    try:
+        return ClusterSpec.model_validate(tree or {})
+    except ValidationError as err:
+        raise UserError(_format(err)) from None
+
+
+def load_cluster_spec(path: str | Path | None) -> ClusterSpec:
+    """Defaults, then the YAML file at `path` (if any)."""
+    if path is None:
+        return cluster_spec_from_dict({})
+    path = Path(path)
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise UserError(f"cannot read cluster config {str(path)!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"cluster config {str(path)!r} is not valid YAML{where}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise UserError(f"cluster config {str(path)!r} must hold a mapping of keys")
+    return cluster_spec_from_dict(loaded)
