@@ -126,7 +126,9 @@ class DataConfig(_Section):
 class RewardsConfig(_Section):
     function: str = Field("math", description="'math' (math-verify on \\boxed{}) or 'module:function'")
     timeout_s: float = Field(5.0, gt=0.0, description="per-sample time limit for scoring")
-    num_workers: int = Field(2, ge=1, description="scoring processes")
+    num_workers: int = Field(2, ge=1, description="scoring processes (per Ray actor when ray_actors > 0)")
+    ray_actors: int = Field(0, ge=0, description="score in this many Ray actors across the cluster; "
+                            "0 = a process pool beside the controller")
 
 
 class ClusterConfig(_Section):

@@ -73,6 +73,18 @@ def make_worker_group(cfg: Config):
     return RayWorkerGroup(cfg, use_gpus)
 
 
+def make_scorer(cfg: Config):
+    """A process pool beside the controller, or one per Ray actor across the cluster."""
+    r = cfg.rewards
+    if r.ray_actors == 0:
+        return RewardScorer(r.function, r.timeout_s, r.num_workers)
+    from rlscale.rewards.ray_pool import RayRewardPool
+    from rlscale.workers.ray_group import connect
+
+    connect(cfg)
+    return RayRewardPool(r.function, r.timeout_s, r.num_workers, r.ray_actors)
+
+
 def generate_rollouts(group, texts: list[str], params: SamplingParams) -> Rollouts:
     """Every worker samples its slice of the prompts; results are concatenated in order."""
     shards = split_evenly(texts, group.world_size)
@@ -149,8 +161,7 @@ def train(cfg: Config) -> dict:
     datasets = build_datasets(cfg.data, cfg.grpo.seed)
     loader = PromptLoader(datasets.train, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
     with ExitStack() as cleanup:
-        scorer = cleanup.enter_context(
-            RewardScorer(cfg.rewards.function, cfg.rewards.timeout_s, cfg.rewards.num_workers))
+        scorer = cleanup.enter_context(make_scorer(cfg))
         run_dir = prepare_run_dir(cfg)
         checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
         if cfg.checkpointing.enabled:

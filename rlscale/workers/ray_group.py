@@ -55,8 +55,10 @@ def connect(cfg: Config) -> None:
         if address:
             ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         else:
+            # logical CPUs for every worker and reward actor, even on a small machine
             world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
-            cpus = max(os.cpu_count() or 1, world * cfg.cluster.cpus_per_worker)
+            wanted = world * cfg.cluster.cpus_per_worker + cfg.rewards.ray_actors * cfg.rewards.num_workers
+            cpus = max(os.cpu_count() or 1, wanted)
             ray.init(num_cpus=cpus, runtime_env=runtime_env, include_dashboard=False, log_to_driver=True)
     except ConnectionError as exc:
         raise UserError(f"cluster.address {address!r}: cannot connect to Ray ({exc})") from None

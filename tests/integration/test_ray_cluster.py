@@ -67,3 +67,18 @@ def test_two_sharded_workers_checkpoint_and_one_worker_resumes(tiny_model, tmp_p
     summary = json.loads((log_dir / "summary.json").read_text())
     assert summary["resumed_from"] == str(step_2) and summary["steps_run"] == 1
     assert json.loads((log_dir / "checkpoints" / "step_3" / "manifest.json").read_text())["world_size"] == 1
+
+
+def test_rewards_scored_by_ray_actors_match_the_local_pool(tiny_model, tmp_path):
+    """Same seeds, same samples: scoring in 2 Ray actors gives the rewards of the local pool."""
+    runs = {}
+    for name, extra in (("local", []), ("actors", ["rewards.ray_actors=2", "rewards.num_workers=1"])):
+        log_dir = tmp_path / name
+        result = run_cli("train", *TINY_RUN, f"policy.model_name={tiny_model}", "grpo.max_num_steps=2",
+                         "checkpointing.enabled=false", "cluster.backend=ray", "cluster.use_gpus=false",
+                         "grpo.max_val_samples=8", *extra, f"logger.log_dir={log_dir}", cwd=tmp_path)
+        assert result.returncode == 0, result.output
+        rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = [(row["step"], row["reward/mean"]) for row in rows if "reward/mean" in row]
+    assert len(runs["local"]) == 2
+    assert runs["actors"] == runs["local"]

@@ -1,0 +1,1 @@
+"""Running rlscale on Kubernetes: KubeRay manifests (render) and Ray job submission (jobs)."""

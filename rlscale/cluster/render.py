@@ -1,0 +1,277 @@
+"""Render a `ClusterSpec` into Kubernetes manifests (`rlscale cluster render --config C --out DIR`).
+
+Writes raycluster.yaml (RayCluster, ray.io/v1), rayjob.yaml (the same cluster inside a RayJob whose
+entrypoint is `rlscale train ...`), secret-reference.yaml (which Secret keys the pods read),
+podmonitoring.yaml (Google Managed Prometheus) and NOTES.md (the commands to run, including the
+`kubectl create secret` line). Secret values are never read, let alone written: pods get them
+through `secretKeyRef`, so they stay out of manifests, runtime envs and the Ray job's metadata.
+"""
+
+from __future__ import annotations
+
+import copy
+import shlex
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+import yaml
+
+from rlscale.cluster.spec import ClusterSpec, load_cluster_spec
+from rlscale.errors import UserError
+
+FILES = ("raycluster.yaml", "rayjob.yaml", "secret-reference.yaml", "podmonitoring.yaml", "NOTES.md")
+METRICS_PORT_NAME = "rlscale-metrics"  # IANA service name: at most 15 characters
+
+
+def _labels(spec: ClusterSpec) -> dict[str, str]:
+    """On every Ray pod: what the PodMonitoring selects (a RayJob's cluster gets a generated name)."""
+    return {"app.kubernetes.io/name": "rlscale", "app.kubernetes.io/instance": spec.name}
+
+
+def _env(spec: ClusterSpec) -> list[dict[str, Any]]:
+    env = [{"name": k, "value": v} for k, v in spec.env.items()]
+    env.append({"name": "RLSCALE_METRICS_PORT", "value": str(spec.ports.metrics)})
+    for key in spec.secret.required_keys + spec.secret.optional_keys:
+        ref = {"name": spec.secret.name, "key": key}
+        if key in spec.secret.optional_keys:
+            ref["optional"] = True
+        env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+    return env
+
+
+def _volumes(spec: ClusterSpec) -> list[dict[str, Any]]:
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if spec.worker.shm_size:
+        shm["sizeLimit"] = spec.worker.shm_size
+    return [
+        {"name": "shared-storage", "persistentVolumeClaim": {"claimName": spec.storage.pvc}},
+        {"name": "dshm", "emptyDir": shm},
+    ]
+
+
+def _mounts(spec: ClusterSpec) -> list[dict[str, Any]]:
+    return [{"name": "shared-storage", "mountPath": spec.storage.mount_path},
+            {"name": "dshm", "mountPath": "/dev/shm"}]
+
+
+def _pod(spec: ClusterSpec, container: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "metadata": {"labels": _labels(spec)},
+        "spec": {
+            "containers": [container],
+            "nodeSelector": dict(spec.node_selector),
+            "tolerations": [t.model_dump(exclude_none=True) for t in spec.tolerations],
+            "volumes": _volumes(spec),
+        },
+    }
+
+
+def _metrics_ports(spec: ClusterSpec) -> list[dict[str, Any]]:
+    return [{"name": "metrics", "containerPort": spec.ports.ray_metrics, "protocol": "TCP"},
+            {"name": METRICS_PORT_NAME, "containerPort": spec.ports.metrics, "protocol": "TCP"}]
+
+
+def ray_cluster_spec(spec: ClusterSpec) -> dict[str, Any]:
+    """The `spec` of a RayCluster (also a RayJob's `rayClusterSpec`)."""
+    p, head, worker = spec.ports, spec.head, spec.worker
+    head_container = {
+        "name": "ray-head",
+        "image": spec.image,
+        "ports": [{"name": "gcs-server", "containerPort": p.gcs, "protocol": "TCP"},
+                  {"name": "dashboard", "containerPort": p.dashboard, "protocol": "TCP"},
+                  {"name": "client", "containerPort": p.client, "protocol": "TCP"}] + _metrics_ports(spec),
+        "resources": {"limits": {"cpu": head.cpu_limit, "memory": head.memory_limit},
+                      "requests": {"cpu": head.cpu_request, "memory": head.memory_request}},
+        "env": _env(spec),
+        "volumeMounts": _mounts(spec),
+    }
+    per_node = {"cpu": worker.cpu, "memory": worker.memory, "nvidia.com/gpu": str(spec.gpus_per_node)}
+    worker_container = {
+        "name": "ray-worker",
+        "image": spec.image,
+        "ports": _metrics_ports(spec),
+        "resources": {"limits": dict(per_node), "requests": dict(per_node)},
+        "env": _env(spec),
+        "volumeMounts": _mounts(spec),
+    }
+    return {
+        "rayVersion": spec.ray_version,
+        "enableInTreeAutoscaling": False,
+        "headGroupSpec": {
+            "rayStartParams": {"dashboard-host": "0.0.0.0", "port": str(p.gcs),
+                               "dashboard-port": str(p.dashboard), "ray-client-server-port": str(p.client),
+                               "metrics-export-port": str(p.ray_metrics)},
+            "template": _pod(spec, head_container),
+        },
+        "workerGroupSpecs": [{
+            "groupName": worker.group_name,
+            "replicas": spec.num_nodes,
+            "minReplicas": spec.num_nodes,
+            "maxReplicas": spec.num_nodes,
+            "numOfHosts": 1,
+            "rayStartParams": {"metrics-export-port": str(p.ray_metrics)},
+            "template": _pod(spec, worker_container),
+        }],
+    }
+
+
+def _metadata(spec: ClusterSpec, name: str) -> dict[str, Any]:
+    return {"name": name, "namespace": spec.namespace, "labels": _labels(spec)}
+
+
+def raycluster(spec: ClusterSpec) -> dict[str, Any]:
+    return {"apiVersion": "ray.io/v1", "kind": "RayCluster",
+            "metadata": _metadata(spec, spec.name), "spec": ray_cluster_spec(spec)}
+
+
+def entrypoint(spec: ClusterSpec) -> str:
+    args = ["rlscale", "train", f"cluster.num_nodes={spec.num_nodes}",
+            f"cluster.gpus_per_node={spec.gpus_per_node}", *spec.job.overrides]
+    return shlex.join(args)
+
+
+def runtime_env(spec: ClusterSpec) -> dict[str, Any]:
+    """Plain settings only: secrets reach the processes from the pods' env (secretKeyRef)."""
+    env: dict[str, Any] = {"env_vars": dict(spec.env)}
+    if spec.job.pip:
+        env["pip"] = list(spec.job.pip)
+    return env
+
+
+def rayjob(spec: ClusterSpec) -> dict[str, Any]:
+    cluster_spec = copy.deepcopy(ray_cluster_spec(spec))
+    return {
+        "apiVersion": "ray.io/v1", "kind": "RayJob",
+        "metadata": _metadata(spec, spec.job.name),
+        "spec": {
+            "entrypoint": entrypoint(spec),
+            "runtimeEnvYAML": yaml.safe_dump(runtime_env(spec), sort_keys=False),
+            "shutdownAfterJobFinishes": spec.job.shutdown_after_finish,
+            "ttlSecondsAfterFinished": spec.job.ttl_seconds_after_finished,
+            "submissionMode": "K8sJobMode",
+            "rayClusterSpec": cluster_spec,
+        },
+    }
+
+
+def secret_reference(spec: ClusterSpec) -> dict[str, Any]:
+    """Which Secret keys the pods read (a record for people, not a manifest): names, never values."""
+    keys = [{"key": k, "required": True} for k in spec.secret.required_keys]
+    keys += [{"key": k, "required": False} for k in spec.secret.optional_keys]
+    return {
+        "secretName": spec.secret.name,
+        "namespace": spec.namespace,
+        "keys": keys,
+        "create": create_secret_command(spec),
+        "note": "Values are never written by rlscale; the pods read them through secretKeyRef.",
+    }
+
+
+def create_secret_command(spec: ClusterSpec) -> str:
+    keys = spec.secret.required_keys + spec.secret.optional_keys
+    literals = " ".join(f'--from-literal={k}="${k}"' for k in keys)
+    return f"kubectl create secret generic {spec.secret.name} --namespace {spec.namespace} {literals}"
+
+
+def podmonitoring(spec: ClusterSpec) -> dict[str, Any]:
+    endpoints = [{"port": METRICS_PORT_NAME, "path": "/metrics", "interval": spec.monitoring.interval}]
+    if spec.monitoring.scrape_ray_metrics:
+        endpoints.append({"port": "metrics", "path": "/metrics", "interval": spec.monitoring.interval})
+    return {
+        "apiVersion": "monitoring.googleapis.com/v1", "kind": "PodMonitoring",
+        "metadata": _metadata(spec, f"{spec.name}-metrics"),
+        "spec": {"selector": {"matchLabels": _labels(spec)}, "endpoints": endpoints},
+    }
+
+
+def notes(spec: ClusterSpec) -> str:
+    ns, svc = spec.namespace, f"{spec.name}-head-svc"
+    return f"""# Running rlscale on KubeRay ({spec.name}, namespace {ns})
+
+Rendered by `rlscale cluster render`. No secret value is in these files.
+
+1. Store the tokens in a Kubernetes Secret (the values come from your shell, not from a file):
+
+       export HF_TOKEN=...   WANDB_API_KEY=...   # WANDB_API_KEY is optional
+       {create_secret_command(spec)}
+
+   `--from-literal` still puts the value on the kubectl command line of your own machine; on a
+   shared machine use `--from-env-file` with a file readable only by you, then delete it.
+
+2. Either start a long-lived cluster and submit jobs to it:
+
+       kubectl apply -f raycluster.yaml -f podmonitoring.yaml
+       kubectl -n {ns} port-forward service/{svc} {spec.ports.dashboard}:{spec.ports.dashboard}
+       rlscale job submit --address http://localhost:{spec.ports.dashboard} ...
+
+   or run one job on a cluster made for it (deleted {spec.job.ttl_seconds_after_finished}s after it ends):
+
+       kubectl apply -f rayjob.yaml -f podmonitoring.yaml
+       kubectl -n {ns} get rayjob {spec.job.name} -w
+
+3. Teardown: `kubectl delete -f raycluster.yaml` (or `-f rayjob.yaml`), `-f podmonitoring.yaml`,
+   and `kubectl -n {ns} delete secret {spec.secret.name}`.
+
+The image is `{spec.image}`; it must contain rlscale (build one `FROM` it, or list rlscale under
+`job.pip`). Metrics: rlscale serves Prometheus on port {spec.ports.metrics} (`RLSCALE_METRICS_PORT`),
+Ray on {spec.ports.ray_metrics}.
+"""
+
+
+class _Dumper(yaml.SafeDumper):
+    """safe_dump, with multi-line strings (runtimeEnvYAML) as readable `|` blocks."""
+
+
+_Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+
+
+def _dump(obj: Any) -> str:
+    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=4096)
+
+
+def render(spec: ClusterSpec) -> dict[str, str]:
+    """File name -> text, in a fixed order; the same spec always gives the same bytes."""
+    files = {
+        "raycluster.yaml": _dump(raycluster(spec)),
+        "rayjob.yaml": _dump(rayjob(spec)),
+        "secret-reference.yaml": "# Not a manifest: the Secret the pods read, by name. Values live only in the Secret.\n"
+                                 + _dump(secret_reference(spec)),
+        "podmonitoring.yaml": _dump(podmonitoring(spec)) if spec.monitoring.enabled else None,
+        "NOTES.md": notes(spec),
+    }
+    return {name: text for name, text in files.items() if text is not None}
+
+
+def render_to_dir(spec: ClusterSpec, out: Path) -> list[Path]:
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name, text in render(spec).items():
+            (out / name).write_text(text)
+            written.append(out / name)
+    except OSError as exc:
+        raise UserError(f"cannot write to {str(out)!r}: {exc.strerror}") from None
+    return written
+
+
+def render_command(config: Path | None, out: Path) -> list[Path]:
+    """What `rlscale cluster render --config C --out DIR` does; prints the files written."""
+    written = render_to_dir(load_cluster_spec(config), out)
+    for path in written:
+        typer.echo(str(path))
+    return written
+
+
+render_app = typer.Typer(add_completion=False, no_args_is_help=True, help="KubeRay manifests for rlscale.")
+
+
+@render_app.command("render")
+def _render_cli(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="cluster YAML (default: the seed's cluster)"),
+    out: Path = typer.Option(..., "--out", "-o", help="directory to write the manifests to"),
+) -> None:
+    """Write RayCluster, RayJob, Secret reference, PodMonitoring and NOTES.md into --out."""
+    render_command(config, out)
