@@ -171,6 +171,8 @@ class LoggerConfig(_Section):
     tensorboard_enabled: bool = Field(False, description="write TensorBoard events to <log_dir>/tensorboard")
     wandb_enabled: bool = Field(False, description="log to Weights & Biases (needs wandb installed)")
     progress: bool = Field(True, description="live progress display on the terminal")
+    prometheus_port: int | None = Field(
+        None, ge=0, le=65535, description="serve step and checkpoint metrics for Prometheus on this port; null = off")
 
     @field_validator("wandb_enabled")
     @classmethod

@@ -75,7 +75,8 @@ class Sinks:
             sink.close()
 
 
-def build_sinks(log_dir: Path, tensorboard: bool, wandb: bool, resumed_step: int | None = None) -> Sinks:
+def build_sinks(log_dir: Path, tensorboard: bool, wandb: bool, resumed_step: int | None = None,
+                prometheus_port: int | None = None) -> Sinks:
     """resumed_step: the step a resumed run continues after (None for a fresh run)."""
     if wandb:
         raise UserError("logger.wandb_enabled: Weights & Biases logging is not available yet; "
@@ -83,4 +84,8 @@ def build_sinks(log_dir: Path, tensorboard: bool, wandb: bool, resumed_step: int
     sinks: list = [JsonlSink(Path(log_dir) / "metrics.jsonl", resumed_step)]
     if tensorboard:
         sinks.append(TensorBoardSink(Path(log_dir) / "tensorboard", resumed_step))
+    if prometheus_port is not None:
+        from rlscale.telemetry.prometheus import PrometheusSink
+
+        sinks.append(PrometheusSink(prometheus_port))
     return Sinks(sinks)

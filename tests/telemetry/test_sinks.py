@@ -62,3 +62,33 @@ def test_step_timer_accumulates_sections_and_resets():
     out = timer.pop()
     assert set(out) == {"time/generate_s"} and out["time/generate_s"] >= 0
     assert timer.pop() == {}
+
+
+def test_prometheus_endpoint_serves_step_metrics_and_checkpoint_bytes(tmp_path):
+    import urllib.request
+
+    from rlscale.telemetry.prometheus import PrometheusSink
+
+    sink = PrometheusSink(0, address="127.0.0.1")  # port 0: the OS picks a free one
+    try:
+        sink.log(3, {"reward/mean": 0.625, "ckpt/bytes": 1000, "train/kl": math.nan})
+        sink.log(4, {"reward/mean": 0.75, "ckpt/bytes": 500})
+        body = urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/metrics", timeout=5).read().decode()
+    finally:
+        sink.close()
+    assert "rlscale_step 4.0" in body
+    assert "rlscale_reward_mean 0.75" in body
+    assert "rlscale_ckpt_bytes_written_total 1500.0" in body
+    assert "rlscale_train_kl" not in body  # non-finite values are skipped, not exported as NaN
+
+
+def test_prometheus_port_in_use_is_a_user_error():
+    import socket
+
+    from rlscale.telemetry.prometheus import PrometheusSink
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(UserError, match="logger.prometheus_port"):
+            PrometheusSink(busy.getsockname()[1], address="127.0.0.1")
