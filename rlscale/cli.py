@@ -175,6 +175,20 @@ def ckpt_export(
     typer.echo(f"wrote {export_policy(step_dir, out)}")
 
 
+def _add_cluster_commands() -> None:
+    """`rlscale cluster render` and `rlscale job ...` (the KubeRay path)."""
+    from rlscale.cluster.render import render_app
+
+    app.add_typer(render_app, name="cluster")
+    try:
+        from rlscale.cluster.jobs import job_app
+    except ImportError:  # the jobs module needs Ray's job client
+        return
+    app.add_typer(job_app, name="job")
+
+
+_add_cluster_commands()
+
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (measurements, not tests).")
 app.add_typer(bench_app, name="bench")
 

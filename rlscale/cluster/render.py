@@ -31,7 +31,6 @@ def _labels(spec: ClusterSpec) -> dict[str, str]:
 
 def _env(spec: ClusterSpec) -> list[dict[str, Any]]:
     env = [{"name": k, "value": v} for k, v in spec.env.items()]
-    env.append({"name": "RLSCALE_METRICS_PORT", "value": str(spec.ports.metrics)})
     for key in spec.secret.required_keys + spec.secret.optional_keys:
         ref = {"name": spec.secret.name, "key": key}
         if key in spec.secret.optional_keys:
@@ -125,10 +124,17 @@ def raycluster(spec: ClusterSpec) -> dict[str, Any]:
             "metadata": _metadata(spec, spec.name), "spec": ray_cluster_spec(spec)}
 
 
+def train_overrides(spec: ClusterSpec) -> list[str]:
+    """The overrides `rlscale train` gets on this cluster: its size, the metrics port, then job.overrides."""
+    args = [f"cluster.num_nodes={spec.num_nodes}", f"cluster.gpus_per_node={spec.gpus_per_node}"]
+    has_port = any(o.split("=", 1)[0].strip().lstrip("+") == "logger.prometheus_port" for o in spec.job.overrides)
+    if spec.monitoring.enabled and not has_port:  # the driver serves what the PodMonitoring scrapes
+        args.append(f"logger.prometheus_port={spec.ports.metrics}")
+    return args + list(spec.job.overrides)
+
+
 def entrypoint(spec: ClusterSpec) -> str:
-    args = ["rlscale", "train", f"cluster.num_nodes={spec.num_nodes}",
-            f"cluster.gpus_per_node={spec.gpus_per_node}", *spec.job.overrides]
-    return shlex.join(args)
+    return shlex.join(["rlscale", "train", *train_overrides(spec)])
 
 
 def runtime_env(spec: ClusterSpec) -> dict[str, Any]:
@@ -214,8 +220,10 @@ Rendered by `rlscale cluster render`. No secret value is in these files.
    and `kubectl -n {ns} delete secret {spec.secret.name}`.
 
 The image is `{spec.image}`; it must contain rlscale (build one `FROM` it, or list rlscale under
-`job.pip`). Metrics: rlscale serves Prometheus on port {spec.ports.metrics} (`RLSCALE_METRICS_PORT`),
-Ray on {spec.ports.ray_metrics}.
+`job.pip`). Metrics: the training driver serves Prometheus on port {spec.ports.metrics} when given
+`logger.prometheus_port={spec.ports.metrics}` (rayjob.yaml's entrypoint has it; add it to
+`rlscale job submit` too); Ray's own metrics are on {spec.ports.ray_metrics}. Both are scraped by
+podmonitoring.yaml.
 """
 
 
@@ -266,6 +274,11 @@ def render_command(config: Path | None, out: Path) -> list[Path]:
 
 
 render_app = typer.Typer(add_completion=False, no_args_is_help=True, help="KubeRay manifests for rlscale.")
+
+
+@render_app.callback()
+def _cluster_group() -> None:
+    """KubeRay cluster manifests for rlscale (a group, so that `render` stays a subcommand)."""
 
 
 @render_app.command("render")

@@ -9,14 +9,17 @@ the Kubernetes Secret and the keys it holds.
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rlscale.cluster.k8s import (ENV_NAME, LABEL_KEY, LABEL_VALUE, dns_label, duration, parse_quantity,
+                                 quantity)
 from rlscale.errors import UserError
+
+__all__ = ["ClusterSpec", "cluster_spec_from_dict", "load_cluster_spec", "parse_quantity"]
 
 # The image the seed runs. It holds NeMo-RL, not rlscale: install rlscale through `job.pip` (runtime
 # env) or, better, build an image `FROM` it with `pip install rlscale` and set `image:` to that.
@@ -24,49 +27,6 @@ SEED_IMAGE = "nvcr.io/nvidia/nemo-rl:v0.4.0"
 SECRET_KEYS = ("HF_TOKEN", "WANDB_API_KEY")
 MAX_RAYCLUSTER_NAME = 53  # KubeRay: 63 minus the longest service suffix ("-serve-svc")
 MAX_RAYJOB_NAME = 47  # KubeRay appends 6 characters to name the RayJob's cluster
-
-_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_QUANTITY = re.compile(r"^(?P<num>[+]?(\d+(\.\d*)?|\.\d+))(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][+-]?\d+)?$")
-_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-           "m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
-_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
-_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
-_DURATION = re.compile(r"^\d+(ms|s|m|h)$")
-
-
-def parse_quantity(text: str) -> Decimal:
-    """A Kubernetes resource quantity ('1000Gi', '500m', '8') as a number; ValueError if malformed."""
-    match = _QUANTITY.match(str(text).strip())
-    if not match:
-        raise ValueError(f"{text!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi, 1000Gi)")
-    number, suffix = Decimal(match["num"]), match["suffix"] or ""
-    if suffix[:1] in ("e", "E"):
-        return number * (Decimal(10) ** int(suffix[1:]))
-    return number * Decimal(_SUFFIX.get(suffix, 1))
-
-
-def _quantity(value: Any) -> str:
-    if isinstance(value, bool) or value is None:
-        raise ValueError(f"expected a Kubernetes quantity, got {value!r}")
-    text = str(value).strip()
-    try:
-        if parse_quantity(text) <= 0:
-            raise ValueError(f"{text!r} must be greater than zero")
-    except InvalidOperation:
-        raise ValueError(f"{text!r} is not a Kubernetes quantity") from None
-    return text
-
-
-def _dns_label(value: str, what: str, max_len: int = 63, rfc1035: bool = False) -> str:
-    pattern = _DNS1035_LABEL if rfc1035 else _DNS1123_LABEL
-    if len(value) > max_len or not pattern.match(value):
-        first = "a letter" if rfc1035 else "a letter or digit"
-        raise ValueError(f"{value!r} is not a valid {what}: at most {max_len} lowercase letters, digits "
-                         f"and '-', starting with {first} and ending with a letter or digit")
-    return value
-
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -81,7 +41,7 @@ class HeadResources(_Section):
     @field_validator("*", mode="before")
     @classmethod
     def _q(cls, value):
-        return _quantity(value)
+        return quantity(value)
 
     @model_validator(mode="after")
     def _request_within_limit(self):
@@ -101,17 +61,17 @@ class WorkerResources(_Section):
     @field_validator("cpu", "memory", mode="before")
     @classmethod
     def _q(cls, value):
-        return _quantity(value)
+        return quantity(value)
 
     @field_validator("shm_size", mode="before")
     @classmethod
     def _shm(cls, value):
-        return None if value is None else _quantity(value)
+        return None if value is None else quantity(value)
 
     @field_validator("group_name")
     @classmethod
     def _name(cls, value):
-        return _dns_label(value, "worker group name")
+        return dns_label(value, "worker group name")
 
 
 class Toleration(_Section):
@@ -134,7 +94,7 @@ class Storage(_Section):
     @field_validator("pvc")
     @classmethod
     def _pvc(cls, value):
-        return _dns_label(value, "PVC name", max_len=253)
+        return dns_label(value, "PVC name", max_len=253)
 
     @field_validator("mount_path")
     @classmethod
@@ -149,7 +109,7 @@ class Ports(_Section):
     dashboard: int = Field(8265, ge=1, le=65535, description="head: dashboard and Jobs API")
     client: int = Field(10001, ge=1, le=65535, description="head: Ray client")
     ray_metrics: int = Field(8080, ge=1, le=65535, description="every pod: Ray's Prometheus metrics")
-    metrics: int = Field(9464, ge=1, le=65535, description="every pod: rlscale's Prometheus endpoint")
+    metrics: int = Field(9464, ge=1, le=65535, description="rlscale's Prometheus endpoint (logger.prometheus_port)")
 
     @model_validator(mode="after")
     def _distinct(self):
@@ -169,13 +129,13 @@ class SecretRef(_Section):
     @field_validator("name")
     @classmethod
     def _name(cls, value):
-        return _dns_label(value, "Secret name", max_len=253)
+        return dns_label(value, "Secret name", max_len=253)
 
     @field_validator("required_keys", "optional_keys")
     @classmethod
     def _keys(cls, value):
         for key in value:
-            if not _ENV_NAME.match(key):
+            if not ENV_NAME.match(key):
                 raise ValueError(f"{key!r} is not an environment variable name")
         return value
 
@@ -203,7 +163,7 @@ class JobSpec(_Section):
     @field_validator("name")
     @classmethod
     def _name(cls, value):
-        return _dns_label(value, "RayJob name", max_len=MAX_RAYJOB_NAME, rfc1035=True)
+        return dns_label(value, "RayJob name", max_len=MAX_RAYJOB_NAME, rfc1035=True)
 
     @field_validator("overrides")
     @classmethod
@@ -228,9 +188,7 @@ class Monitoring(_Section):
     @field_validator("interval")
     @classmethod
     def _interval(cls, value):
-        if not _DURATION.match(value):
-            raise ValueError(f"{value!r} is not a duration such as 30s or 1m")
-        return value
+        return duration(value)
 
 
 class ClusterSpec(_Section):
@@ -264,12 +222,12 @@ class ClusterSpec(_Section):
     @field_validator("name")
     @classmethod
     def _name(cls, value):
-        return _dns_label(value, "RayCluster name", max_len=MAX_RAYCLUSTER_NAME, rfc1035=True)
+        return dns_label(value, "RayCluster name", max_len=MAX_RAYCLUSTER_NAME, rfc1035=True)
 
     @field_validator("namespace")
     @classmethod
     def _namespace(cls, value):
-        return _dns_label(value, "namespace")
+        return dns_label(value, "namespace")
 
     @field_validator("image")
     @classmethod
@@ -290,9 +248,9 @@ class ClusterSpec(_Section):
     @classmethod
     def _labels(cls, value):
         for key, val in value.items():
-            if len(key) > 316 or not _LABEL_KEY.match(key):
+            if len(key) > 316 or not LABEL_KEY.match(key):
                 raise ValueError(f"{key!r} is not a valid label key")
-            if len(val) > 63 or not _LABEL_VALUE.match(val):
+            if len(val) > 63 or not LABEL_VALUE.match(val):
                 raise ValueError(f"{val!r} (for {key!r}) is not a valid label value")
         return value
 
@@ -303,7 +261,7 @@ class ClusterSpec(_Section):
             return value
         out = {}
         for key, val in value.items():
-            if not isinstance(key, str) or not _ENV_NAME.match(key):
+            if not isinstance(key, str) or not ENV_NAME.match(key):
                 raise ValueError(f"{key!r} is not an environment variable name")
             if key in SECRET_KEYS or re.search(r"TOKEN|SECRET|PASSWORD|API_KEY", key):
                 raise ValueError(f"{key} looks like a secret: list it under secret.required_keys or "
@@ -314,10 +272,15 @@ class ClusterSpec(_Section):
         return out
 
     @model_validator(mode="after")
-    def _no_overlap(self):
+    def _consistent(self):
         for key in self.secret.required_keys + self.secret.optional_keys:
             if key in self.env:
-                raise ValueError(f"{key} is both in env and in the Secret; keep it in the Secret only")
+                raise ValueError(f"key 'env': {key} is also a Secret key; keep it in the Secret only")
+        for text in self.job.overrides:
+            key, _, value = text.partition("=")
+            if key.strip().lstrip("+") == "logger.prometheus_port" and value.strip() != str(self.ports.metrics):
+                raise ValueError(f"key 'job.overrides': {text!r} differs from ports.metrics ({self.ports.metrics}), "
+                                 "the port the PodMonitoring scrapes; set ports.metrics instead")
         return self
 
 
@@ -328,10 +291,11 @@ def _format(err: ValidationError) -> str:
         return f"unknown cluster config key {loc!r}"
     if first["type"] == "value_error":
         reason = str(first["ctx"]["error"]) if "ctx" in first else first["msg"]
-        return f"cluster config key {loc!r}: {reason}" if loc else f"cluster config: {reason}"
+        return f"cluster config key {loc!r}: {reason}" if loc else f"cluster config {reason}"
     got = first.get("input")
     shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
-    return f"cluster config key {loc!r}: {first['msg'].lower()}{shown}"
+    msg = first["msg"]
+    return f"cluster config key {loc!r}: {msg[:1].lower()}{msg[1:]}{shown}"
 
 
 def cluster_spec_from_dict(tree: dict[str, Any] | None) -> ClusterSpec:

@@ -1,0 +1,321 @@
+"""`rlscale cluster render`: manifests valid for the KubeRay CRDs and operator, the seed's values,
+no secret values anywhere, clear errors for bad input; the blueprint fragment's Lustre settings."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from rlscale.cluster.render import FILES, render, render_command, render_to_dir
+from rlscale.cluster.spec import ClusterSpec, cluster_spec_from_dict, load_cluster_spec, parse_quantity
+from rlscale.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
+CRDS = Path(__file__).resolve().parent / "crds"
+SENTINELS = {"HF_TOKEN": "hf_SENTINEL_d6f1c0ffee", "WANDB_API_KEY": "wandb-SENTINEL-8b1e5ca1ab"}
+
+
+def _strict(schema):
+    """What `kubectl apply` (server-side strict field validation) does: unknown fields are errors."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if (schema.get("type") == "object" and "properties" in schema
+                and "additionalProperties" not in schema
+                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_strict(x) for x in schema]
+    return schema
+
+
+@pytest.fixture(scope="module")
+def schemas():
+    return {kind: _strict(json.loads((CRDS / f"{kind.lower()}-v1.schema.json").read_text()))
+            for kind in ("RayCluster", "RayJob")}
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    out = tmp_path_factory.mktemp("manifests")
+    render_to_dir(ClusterSpec(), out)
+    return out
+
+
+def _load(out: Path, name: str):
+    return yaml.safe_load((out / name).read_text())
+
+
+def _validate(doc, schema):
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(doc), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors[:5])
+
+
+# ------------------------------------------------------------------ schema and operator rules
+
+
+def check_operator_rules(kind: str, doc: dict) -> None:
+    """KubeRay's checks outside the schema (ray-operator/controllers/ray/utils/validation.go)."""
+    name = doc["metadata"]["name"]
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name), "name must be a DNS-1035 label"
+    assert len(name) <= (53 if kind == "RayCluster" else 47)
+    spec = doc["spec"] if kind == "RayCluster" else doc["spec"]["rayClusterSpec"]
+    head = spec["headGroupSpec"]
+    groups = [head] + spec["workerGroupSpecs"]
+    assert len({g["groupName"] for g in spec["workerGroupSpecs"]}) == len(spec["workerGroupSpecs"])
+    for group in groups:
+        containers = group["template"]["spec"]["containers"]
+        assert containers and all(c.get("name") for c in containers), "every group needs a named container"
+        params = group.get("rayStartParams", {})
+        assert all(isinstance(v, str) for v in params.values()), "rayStartParams values are strings"
+        assert "labels" not in params
+        if any(params.get(k) for k in ("num-cpus", "num-gpus", "memory", "resources")):
+            assert not group.get("resources"), "resources in both rayStartParams and resources"
+        for container in containers:
+            names = [p["name"] for p in container.get("ports", [])]
+            assert len(names) == len(set(names))
+            assert all(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", n) and len(n) <= 15 for n in names)
+            limits = container["resources"].get("limits", {})
+            requests = container["resources"].get("requests", {})
+            for key, limit in limits.items():
+                if key in requests:
+                    assert parse_quantity(requests[key]) <= parse_quantity(limit), key
+                if "/" in key:  # extended resources (GPUs): requests must equal limits
+                    assert requests.get(key, limit) == limit
+    for worker in spec["workerGroupSpecs"]:
+        assert worker["minReplicas"] <= worker["replicas"] <= worker["maxReplicas"]
+        assert worker.get("numOfHosts", 1) >= 1
+    head_ports = {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+    assert {"gcs-server", "dashboard", "client"} <= set(head_ports)
+    env = head["template"]["spec"]["containers"][0].get("env", [])
+    assert not any(e["name"] in ("RAY_REDIS_ADDRESS", "REDIS_PASSWORD", "REDIS_USERNAME") for e in env)
+    if kind == "RayJob":
+        js = doc["spec"]
+        assert js["entrypoint"] and isinstance(yaml.safe_load(js["runtimeEnvYAML"]), dict)
+        assert js.get("ttlSecondsAfterFinished", 0) >= 0
+        assert not (js.get("suspend") and not js.get("shutdownAfterJobFinishes"))
+
+
+@pytest.mark.parametrize("kind,file", [("RayCluster", "raycluster.yaml"), ("RayJob", "rayjob.yaml")])
+def test_manifests_satisfy_the_crd_schema_and_operator_rules(rendered, schemas, kind, file):
+    doc = _load(rendered, file)
+    assert doc["apiVersion"] == "ray.io/v1" and doc["kind"] == kind
+    _validate(doc, schemas[kind])
+    check_operator_rules(kind, doc)
+
+
+def test_the_schema_check_catches_mistakes(rendered, schemas):
+    doc = _load(rendered, "raycluster.yaml")
+    bad = copy.deepcopy(doc)
+    bad["spec"]["workerGroupSpecs"][0]["rayStartParams"]["num-gpus"] = 8  # not a string
+    with pytest.raises(AssertionError):
+        _validate(bad, schemas["RayCluster"])
+    bad = copy.deepcopy(doc)
+    bad["spec"]["headGroupSpec"]["rayStartParam"] = {}  # a typo'd field
+    with pytest.raises(AssertionError):
+        _validate(bad, schemas["RayCluster"])
+    bad = copy.deepcopy(doc)
+    bad["spec"]["workerGroupSpecs"][0]["replicas"] = 9
+    with pytest.raises(AssertionError):
+        check_operator_rules("RayCluster", bad)
+
+
+def test_varied_specs_stay_valid(tmp_path, schemas):
+    spec = cluster_spec_from_dict({"name": "small", "num_nodes": 2, "gpus_per_node": 1,
+                                   "worker": {"shm_size": "16Gi", "cpu": 4, "memory": "32Gi"},
+                                   "monitoring": {"enabled": False}, "job": {"pip": ["rlscale==0.1.0"]}})
+    render_to_dir(spec, tmp_path)
+    assert not (tmp_path / "podmonitoring.yaml").exists()
+    for kind, file in (("RayCluster", "raycluster.yaml"), ("RayJob", "rayjob.yaml")):
+        doc = _load(tmp_path, file)
+        _validate(doc, schemas[kind])
+        check_operator_rules(kind, doc)
+    job = _load(tmp_path, "rayjob.yaml")["spec"]
+    assert yaml.safe_load(job["runtimeEnvYAML"])["pip"] == ["rlscale==0.1.0"]
+    dshm = _load(tmp_path, "raycluster.yaml")["spec"]["workerGroupSpecs"][0]["template"]["spec"]["volumes"][1]
+    assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+
+
+# ------------------------------------------------------------------ the seed's values
+
+
+def test_defaults_reproduce_the_seed_cluster(rendered):
+    assert sorted(p.name for p in rendered.iterdir()) == sorted(FILES)
+    rc = _load(rendered, "raycluster.yaml")
+    assert rc["spec"]["rayVersion"] == "2.54.0"
+    head = rc["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+    (worker,) = rc["spec"]["workerGroupSpecs"]
+    assert worker["groupName"] == "gpu-worker-group"
+    assert worker["replicas"] == worker["minReplicas"] == worker["maxReplicas"] == 8
+    hc = head["template"]["spec"]["containers"][0]
+    wc = worker["template"]["spec"]["containers"][0]
+    head_ports = {p["name"]: p["containerPort"] for p in hc["ports"]}
+    assert head_ports.items() >= {"gcs-server": 6379, "dashboard": 8265, "client": 10001}.items()
+    assert hc["resources"] == {"limits": {"cpu": "32", "memory": "1000Gi"}, "requests": {"cpu": "8", "memory": "64Gi"}}
+    per_node = {"cpu": "100", "memory": "1000Gi", "nvidia.com/gpu": "8"}
+    assert wc["resources"] == {"limits": per_node, "requests": per_node}
+    for pod, container in ((head["template"]["spec"], hc), (worker["template"]["spec"], wc)):
+        assert container["image"] == "nvcr.io/nvidia/nemo-rl:v0.4.0"
+        assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-b200"}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert volumes[mounts["/lustre"]]["persistentVolumeClaim"] == {"claimName": "lustre-pvc"}
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["HF_HOME"] == "/lustre/huggingface_cache"
+        assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "eth0"
+        assert {p["name"]: p["containerPort"] for p in container["ports"]}["rlscale-metrics"] == 9464
+
+
+def test_rayjob_embeds_the_same_cluster_and_runs_rlscale(rendered):
+    rc, rj = _load(rendered, "raycluster.yaml"), _load(rendered, "rayjob.yaml")
+    assert rj["spec"]["rayClusterSpec"] == rc["spec"]
+    assert rj["spec"]["entrypoint"].startswith(
+        "rlscale train cluster.num_nodes=8 cluster.gpus_per_node=8 logger.prometheus_port=9464 ")
+    assert "checkpointing.checkpoint_dir=/lustre/" in rj["spec"]["entrypoint"]
+    runtime_env = yaml.safe_load(rj["spec"]["runtimeEnvYAML"])
+    assert runtime_env["env_vars"]["HF_HOME"] == "/lustre/huggingface_cache"
+    assert not set(runtime_env["env_vars"]) & set(SENTINELS)
+
+
+def test_podmonitoring_selects_the_ray_pods_and_scrapes_the_metrics_port(rendered):
+    pm = _load(rendered, "podmonitoring.yaml")
+    assert pm["apiVersion"] == "monitoring.googleapis.com/v1" and pm["kind"] == "PodMonitoring"
+    rc = _load(rendered, "raycluster.yaml")["spec"]
+    for group in [rc["headGroupSpec"]] + rc["workerGroupSpecs"]:
+        labels = group["template"]["metadata"]["labels"]
+        assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        ports = {p["name"] for p in group["template"]["spec"]["containers"][0]["ports"]}
+        assert {e["port"] for e in pm["spec"]["endpoints"]} <= ports
+    assert {"port": "rlscale-metrics", "path": "/metrics", "interval": "30s"} in pm["spec"]["endpoints"]
+
+
+def test_output_is_deterministic_and_the_example_config_is_the_default():
+    assert render(ClusterSpec()) == render(ClusterSpec())
+    assert load_cluster_spec(ROOT / "examples" / "cluster.yaml") == ClusterSpec()
+
+
+# ------------------------------------------------------------------ secrets
+
+
+def test_no_secret_value_in_any_rendered_file(tmp_path, monkeypatch, capsys):
+    for key, value in SENTINELS.items():
+        monkeypatch.setenv(key, value)
+    render_command(ROOT / "examples" / "cluster.yaml", tmp_path)
+    printed = capsys.readouterr()
+    texts = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    for value in SENTINELS.values():
+        assert value not in printed.out + printed.err
+        for name, text in texts.items():
+            assert value not in text, f"a secret value leaked into {name}"
+    for name in ("raycluster.yaml", "rayjob.yaml"):
+        refs = re.findall(r"secretKeyRef:\n\s+name: rlscale-secrets\n\s+key: (\w+)", texts[name])
+        assert set(refs) == set(SENTINELS)
+    assert '--from-literal=HF_TOKEN="$HF_TOKEN"' in texts["NOTES.md"]
+    assert "kubectl create secret generic rlscale-secrets" in texts["NOTES.md"]
+    assert yaml.safe_load(texts["secret-reference.yaml"])["secretName"] == "rlscale-secrets"
+
+
+def test_a_secret_cannot_be_put_in_plain_env():
+    with pytest.raises(UserError, match="HF_TOKEN"):
+        cluster_spec_from_dict({"env": {"HF_TOKEN": "x"}})
+    with pytest.raises(UserError, match="MY_API_KEY"):
+        cluster_spec_from_dict({"env": {"MY_API_KEY": "x"}})
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("tree,key", [
+    ({"num_nodes": 0}, "num_nodes"),
+    ({"gpus_per_node": 0}, "gpus_per_node"),
+    ({"gpus_per_node": True}, "gpus_per_node"),
+    ({"name": "Bad_Name"}, "name"),
+    ({"name": "9starts-with-digit"}, "name"),
+    ({"name": "x" * 54}, "name"),
+    ({"namespace": "-ns"}, "namespace"),
+    ({"job": {"name": "j" * 48}}, "job.name"),
+    ({"worker": {"memory": "1000GB"}}, "worker.memory"),
+    ({"worker": {"cpu": "lots"}}, "worker.cpu"),
+    ({"head": {"memory_request": "2000Gi"}}, "head"),
+    ({"head": {"cpu_limit": "0"}}, "head.cpu_limit"),
+    ({"storage": {"mount_path": "relative"}}, "storage.mount_path"),
+    ({"storage": {"pvc": "Lustre PVC"}}, "storage.pvc"),
+    ({"ports": {"metrics": 8265}}, "ports"),
+    ({"ports": {"gcs": 70000}}, "ports.gcs"),
+    ({"node_selector": {"bad key!": "x"}}, "node_selector"),
+    ({"tolerations": [{"key": "k", "effect": "Sometimes"}]}, "tolerations.0.effect"),
+    ({"secret": {"name": "UPPER"}}, "secret.name"),
+    ({"env": {"1BAD": "x"}}, "env"),
+    ({"ray_version": "latest"}, "ray_version"),
+    ({"job": {"overrides": ["grpo.max_num_steps=-3"]}}, "job.overrides"),
+    ({"job": {"overrides": ["cluster.num_nodes=4"]}}, "job.overrides"),
+    ({"monitoring": {"interval": "often"}}, "monitoring.interval"),
+    ({"job": {"overrides": ["logger.prometheus_port=9000"]}}, "job.overrides"),
+    ({"gpu_per_node": 8}, "gpu_per_node"),
+    ({"secret": {"optional_keys": ["HF_HOME"]}}, "env"),
+])
+def test_bad_input_is_a_one_line_user_error_naming_the_key(tree, key):
+    with pytest.raises(UserError) as info:
+        cluster_spec_from_dict(tree)
+    message = str(info.value)
+    assert f"'{key}" in message and "\n" not in message, message
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(UserError, match="cannot read"):
+        load_cluster_spec(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("name: [unclosed\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_cluster_spec(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n")
+    with pytest.raises(UserError, match="mapping"):
+        load_cluster_spec(tmp_path / "list.yaml")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="cannot write"):
+        render_to_dir(ClusterSpec(), tmp_path / "file" / "out")
+
+
+def test_render_app_cli(tmp_path):
+    from typer.testing import CliRunner
+
+    from rlscale.cluster.render import render_app
+
+    result = CliRunner().invoke(render_app, ["render", "--out", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "m" / "raycluster.yaml").exists()
+
+
+# ------------------------------------------------------------------ the blueprint fragment
+
+
+def test_blueprint_fragment_sets_the_legacy_lustre_port_with_a_gke_support_enabled_instance():
+    folder = ROOT / "examples" / "blueprint"
+    bp = yaml.safe_load((folder / "rlscale-lustre-ray.yaml").read_text())
+    modules = {m["id"]: m for g in bp["deployment_groups"] for m in g["modules"]}
+    lustre = modules["managed-lustre"]
+    assert lustre["source"] == "modules/file-system/managed-lustre"
+    assert lustre["settings"]["local_mount"] == "/lustre"
+    gke_support = bp["vars"]["lustre_gke_support_enabled"]
+    assert lustre["settings"]["gke_support_enabled"] == "$(vars.lustre_gke_support_enabled)"
+    # a GKE-compatible instance listens on 6988: the cluster needs the legacy port, the firewall 6988
+    assert gke_support is True and bp["vars"]["enable_legacy_lustre_port"] is True
+    assert "--enable-legacy-lustre-port" in bp["gke_cluster_settings"]["post_deploy_command"]
+    (rule,) = modules["lustre_firewall_rule"]["settings"]["ingress_rules"]
+    assert rule["allow"][0]["ports"] == [str(bp["vars"]["lustre_lnet_port"])] == ["6988"]
+    assert bp["gke_cluster_settings"]["enable_ray_operator"] is True
+    assert bp["gke_cluster_settings"]["enable_managed_lustre_csi"] is True
+    assert "lustre-pv" in modules
+    pv, pvc = yaml.safe_load_all((folder / "lustre-pv-pvc.yaml").read_text())
+    assert pvc["metadata"]["name"] == ClusterSpec().storage.pvc == pv["spec"]["claimRef"]["name"]
+    assert pv["spec"]["csi"]["driver"] == "lustre.csi.storage.gke.io"
+    readme = (folder / "README.md").read_text()
+    assert "enableLegacyLustrePort" in readme and "https://" in readme
