@@ -237,7 +237,9 @@ def main() -> None:
     # typer >= 0.2x vendors click; older typer raises click's own exceptions
     option_errors = tuple(c for c in (getattr(typer, "TyperException", None), click.ClickException) if c)
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # returns, not raises, a command's typer.Exit code
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except typer.Abort:

@@ -104,7 +104,7 @@ def _ray_errors(address: str, job_id: str | None = None):
 
     try:
         yield
-    except (UserError, typer.Exit, typer.Abort):  # typer.Exit is a RuntimeError
+    except (UserError, SystemExit, typer.Exit, typer.Abort):  # typer.Exit is a RuntimeError
         raise
     except AuthenticationError as exc:
         if "Authentication required" in str(exc):
@@ -112,7 +112,7 @@ def _ray_errors(address: str, job_id: str | None = None):
                             "--token); `ray get-auth-token` prints a local cluster's token") from None
         raise UserError(f"the Ray cluster at {address} rejected the auth token ({TOKEN_ENV} / --token)") from None
     except (ConnectionError, requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
-        raise UserError(f"cannot reach the Ray dashboard at {address} ({_first_line(exc)}); is the cluster "
+        raise UserError(f"cannot reach the Ray dashboard at {address} ({_first_line(exc).rstrip('.')}); is the cluster "
                         "up and its port 8265 forwarded?") from None
     except requests.exceptions.RequestException as exc:
         raise UserError(f"request to {address} failed: {_first_line(exc)}") from None
@@ -250,6 +250,11 @@ def build_submission(working_dir: Path, config: Path | None, overrides: list[str
                             "it travels with the upload, so put it inside (or pass --working-dir)") from None
         config_text = Path(config).read_text(errors="replace")
     check_no_secrets(overrides, env, config_text, extra)
+    for word in shlex.split(launcher):  # `HF_TOKEN=... rlscale` would put it in the entrypoint
+        name, sep, value = word.partition("=")
+        reason = _secret_reason(name, value, extra) if sep else None
+        if reason:
+            raise _refuse_secret("refusing --launcher", reason)
     load_config(config, overrides)  # a typo fails here, not minutes later on the cluster
     all_excludes = DEFAULT_EXCLUDES + list(excludes or [])
     if rel is not None:
@@ -264,6 +269,11 @@ def build_submission(working_dir: Path, config: Path | None, overrides: list[str
         env_vars["GLOO_SOCKET_IFNAME"] = socket_ifname
         env_vars["NCCL_SOCKET_IFNAME"] = socket_ifname
     env_vars.update(env)
+    if "PYTHONPATH" in env:
+        # rlscale's driver passes its PYTHONPATH on to its workers (ray.init(runtime_env=...)); the
+        # same key in the job's env is a conflict for Ray unless told to merge (the driver's value
+        # already starts with the job's).
+        env_vars.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
     command = [*shlex.split(launcher), "train"]
     if rel is not None:
         command += ["--config", rel]
@@ -278,6 +288,18 @@ def build_submission(working_dir: Path, config: Path | None, overrides: list[str
     if any(value in flat for value in _local_secret_values(extra)):
         raise _refuse_secret("refusing the submission", "it would carry the value of a secret set here")
     return submission
+
+
+def _placement_notes(config: Path | None, overrides: list[str]) -> list[str]:
+    """Where a relative run directory ends up on the cluster, said before it surprises anyone."""
+    from rlscale.config import load_config
+
+    cfg = load_config(config, overrides)
+    if not cfg.checkpointing.enabled or Path(cfg.checkpoint_dir).is_absolute():
+        return []
+    return [f"checkpoints go to {str(cfg.checkpoint_dir)!r} inside the job's unpacked working directory on the "
+            "node that runs the driver (not the shared volume; Ray reuses that directory for an identical "
+            "upload, so a later job may resume from it): set checkpointing.checkpoint_dir=/lustre/<run>"]
 
 
 # ---------------------------------------------------------------- following a job
@@ -302,6 +324,8 @@ def _poll_logs(client, job_id: str, extra: tuple[str, ...], already: int = 0) ->
 
 def follow_logs(client, job_id: str, extra: tuple[str, ...] = ()):
     """Stream the job's logs until it ends (Ray's websocket tail; polling if that fails); its final status."""
+    logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)  # "WebSocket closed"
+
     async def tail() -> None:
         async for chunk in client.tail_job_logs(job_id):
             _write(chunk, extra)
@@ -310,7 +334,7 @@ def follow_logs(client, job_id: str, extra: tuple[str, ...] = ()):
         asyncio.run(tail())
     except KeyboardInterrupt:
         typer.echo(f"\nstopped following; the job keeps running (stop it: rlscale job stop {job_id})", err=True)
-        raise typer.Exit(130) from None
+        raise SystemExit(130) from None
     except Exception as exc:  # a proxy without websockets, a dropped stream: poll instead
         typer.echo(f"(log stream interrupted: {_first_line(exc)}; polling)", err=True)
         _poll_logs(client, job_id, extra, already=len(client.get_job_logs(job_id)))
@@ -326,9 +350,13 @@ def _finish(client, job_id: str, status) -> None:
     if str(status) == "SUCCEEDED":
         typer.echo(f"job {job_id} SUCCEEDED")
         return
-    info = client.get_job_info(job_id)
-    typer.echo(f"job {job_id} {status}: {_redact(info.message or '')}".rstrip(": "), err=True)
-    raise typer.Exit(1)
+    message = (client.get_job_info(job_id).message or "").strip()
+    # Ray appends the log tail to the message; the stream has shown it already
+    message = message.splitlines()[0].split(", last available logs")[0] if message else ""
+    typer.echo(f"job {job_id} {status}" + (f": {_redact(message)}" if message else ""), err=True)
+    # SystemExit, not typer.Exit: a caller running the app with standalone_mode=False gets
+    # typer.Exit's code as a return value, which is easy to drop.
+    raise SystemExit(1)
 
 
 def _when(ms: int | None) -> str:
@@ -368,8 +396,12 @@ def submit_cmd(
                                   hf_home, socket_ifname, launcher, exclude, token)
     present = [name for name in SECRET_ENV_VARS if os.environ.get(name)]
     typer.echo("secrets: HF_TOKEN and WANDB_API_KEY are not sent with the job; on the cluster they come from the "
-               "Kubernetes Secret mounted as environment variables on the Ray pods (rlscale cluster render)"
-               + (f"; {', '.join(present)} set here stay here" if present else ""))
+               "Kubernetes Secret (rlscale-secrets unless renamed in `rlscale cluster render`) mounted as "
+               "environment variables on the Ray pods"
+               + (f"; {' and '.join(present)} set here {'stays' if len(present) == 1 else 'stay'} here"
+                  if present else ""))
+    for note in _placement_notes(config, list(overrides or [])):
+        typer.echo(f"note: {note}", err=True)
     url, client = connect(address, token)
     # Ray warns that it skips .git/.venv by default; rlscale excludes them anyway.
     logging.getLogger("ray._private.runtime_env.working_dir").setLevel(logging.ERROR)
