@@ -324,22 +324,25 @@ def _format_validation_error(err: ValidationError) -> str:
     return f"config key {loc!r}: {first['msg'].lower()}{shown}"
 
 
+def read_yaml_mapping(path: str | Path, what: str, of: str = "keys") -> dict[str, Any]:
+    """A YAML file that must hold a mapping (empty file: {}); one-line UserError naming the file."""
+    path = Path(path)
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise UserError(f"cannot read {what} {str(path)!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"{what} {str(path)!r} is not valid YAML{where}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise UserError(f"{what} {str(path)!r} must hold a mapping of {of}")
+    return loaded or {}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the YAML file, then dotted overrides; raises UserError on any problem."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except OSError as exc:
-            raise UserError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise UserError(f"config file {str(path)!r} is not valid YAML{where}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise UserError(f"config file {str(path)!r} must hold a mapping of sections")
-        tree = loaded or {}
+    tree: dict[str, Any] = read_yaml_mapping(path, "config file", "sections") if path is not None else {}
     for text in overrides or []:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)

@@ -12,11 +12,11 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlscale.cluster.k8s import (ENV_NAME, LABEL_KEY, LABEL_VALUE, dns_label, duration, parse_quantity,
                                  quantity)
+from rlscale.config import read_yaml_mapping
 from rlscale.errors import UserError
 
 __all__ = ["ClusterSpec", "cluster_spec_from_dict", "load_cluster_spec", "parse_quantity"]
@@ -312,15 +312,5 @@ def load_cluster_spec(path: str | Path | None) -> ClusterSpec:
     """Defaults, then the YAML file at `path` (if any)."""
     if path is None:
         return cluster_spec_from_dict({})
-    path = Path(path)
-    try:
-        loaded = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise UserError(f"cannot read cluster config {str(path)!r}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UserError(f"cluster config {str(path)!r} is not valid YAML{where}") from None
-    if loaded is not None and not isinstance(loaded, dict):
-        raise UserError(f"cluster config {str(path)!r} must hold a mapping of keys")
+    loaded = read_yaml_mapping(path, "cluster config")
     return cluster_spec_from_dict(loaded)
