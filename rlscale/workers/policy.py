@@ -1,7 +1,7 @@
 """The policy worker: a plain class holding the model, its optimizer and the frozen reference.
 
 It knows nothing of Ray or of the GRPO loop; the controller calls its methods through a worker
-group, in this process or (later) in a remote actor.
+group, in this process or in a Ray actor (one per GPU).
 """
 
 from __future__ import annotations
