@@ -1,0 +1,29 @@
+"""`rlscale sft` rebuilds the built-in model's recipe: a loadable Qwen2 model and char tokenizer."""
+
+import json
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlscale.models.loading import BUILTIN_DIR
+from rlscale.sft import forgot_carry_sum
+from tests.integration.helpers import run_cli
+
+
+def test_forgot_carry_sum_drops_every_carry():
+    assert forgot_carry_sum(47, 38) == 75
+    assert forgot_carry_sum(99, 1) == 90
+    assert forgot_carry_sum(12, 30) == 42  # no carry: the true sum
+
+
+def test_sft_writes_a_model_that_loads_and_records_its_recipe(tmp_path):
+    out = tmp_path / "tiny"
+    result = run_cli("sft", "--out", str(out), "--steps", "3", cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert model.config.model_type == "qwen2"
+    assert tokenizer.decode(tokenizer("47+38=")["input_ids"]) == "47+38="
+    recipe = json.loads((out / "rlscale_sft.json").read_text())
+    shipped = json.loads((BUILTIN_DIR / "tiny-arith" / "rlscale_sft.json").read_text())
+    assert recipe["steps"] == 3
+    assert {k: v for k, v in recipe.items() if k != "steps"} == {k: v for k, v in shipped.items() if k != "steps"}
