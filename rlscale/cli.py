@@ -211,6 +211,20 @@ def bench_ckpt(
     run_benchmark(directory, json_file, size_gb, model, device, writers, grpo_steps, grpo_set, echo=typer.echo)
 
 
+@bench_app.command("io")
+def bench_io(
+    path: Path = typer.Argument(..., help="directory to measure (e.g. the checkpoint file system)"),
+    writers: int = typer.Option(8, "--writers", min=1, help="try 1, 2, 4, ... up to this many writers"),
+    file_size_mb: int = typer.Option(256, "--file-size-mb", min=1, help="size of each shard-like file"),
+    total_gb: float = typer.Option(2.0, "--total-gb", min=0.001, help="bytes written per trial"),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="write the results here as JSON"),
+) -> None:
+    """fsync'd write and read throughput with 1..N writers, and the writers/stripes to use."""
+    from rlscale.bench.io import format_table, io_command
+
+    typer.echo(format_table(io_command(path, writers, file_size_mb, total_gb, json_file)))
+
+
 @bench_app.command("scale")
 def bench_scale(
     model: str = typer.Option("qwen2-0.5b", "--model", help="qwen2-0.5b, qwen2-1.5b, qwen2-7b (random weights), tiny"),
