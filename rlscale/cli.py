@@ -95,6 +95,17 @@ def evaluate_cmd(
     typer.echo(json.dumps({"model": cfg.policy.model_name, "temperature": temperature, **result.__dict__}, indent=2))
 
 
+@app.command()
+def report(
+    run_dir: Path = typer.Argument(..., help="a run directory (logger.log_dir)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: RUN_DIR/report)"),
+) -> None:
+    """One HTML page with PNG plots: reward, time split, tokens/s, checkpoint timeline, disk."""
+    from rlscale.telemetry.report import report_command
+
+    typer.echo(f"wrote {report_command(run_dir, out)}")
+
+
 @app.command("config")
 def config_reference() -> None:
     """Print every config key with its default and meaning (a Markdown table)."""

@@ -250,13 +250,18 @@ class Run:
             self.sinks.log(step, metrics)
             progress.update(step, metrics)
 
-        eval_after = None
+        eval_after, final = None, {}
         if cfg.grpo.val_at_end:
             eval_after = self.validate()
             progress.print(f"held-out accuracy after training: {eval_after['val/accuracy']:.3f}")
-            self.sinks.log(state.step, {f"final/{k}": v for k, v in eval_after.items()})
-        if cfg.checkpointing.enabled and last_saved != state.step:
-            self.save(state.last_val)
+            final.update({f"final/{k}": v for k, v in eval_after.items()})
+        if cfg.checkpointing.enabled:
+            if last_saved != state.step:
+                final.update(self.save(state.last_val))
+            for committed in self.checkpointer.wait():  # the last save's persist numbers, too
+                final.update(committed.commit_metrics())
+        if final:
+            self.sinks.log(state.step, final)
         return eval_after
 
     def validate(self) -> dict[str, float]:
