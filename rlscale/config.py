@@ -166,21 +166,35 @@ class CheckpointingConfig(_Section):
         None, pattern=r"^[0-9]+[KMG]?$", description="with lustre_stripe_count: `lfs setstripe -S`, e.g. 4M")
 
 
+class WandbConfig(_Section):
+    project: str = Field("rlscale", min_length=1, description="Weights & Biases project")
+    name: str | None = Field(None, description="W&B run name; null = the log dir's name")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode; null = online when WANDB_API_KEY is set, else offline "
+                          "(a WANDB_MODE environment variable wins over null)")
+
+
+class MlflowConfig(_Section):
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI; null = a file store under <log_dir>/mlruns")
+    experiment: str = Field(
+        "rlscale", min_length=1, description="MLflow experiment name (run name = the log dir's name)")
+
+
 class LoggerConfig(_Section):
     log_dir: str = Field("runs/default", description="run directory: config, metrics, summary")
     tensorboard_enabled: bool = Field(False, description="write TensorBoard events to <log_dir>/tensorboard")
-    wandb_enabled: bool = Field(False, description="log to Weights & Biases (needs wandb installed)")
+    wandb_enabled: bool = Field(
+        False, description="log to Weights & Biases (pip install 'rlscale[wandb]'); a resumed run "
+                           "continues the same W&B run")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases settings")
+    mlflow_enabled: bool = Field(
+        False, description="log params and metrics to MLflow (pip install 'rlscale[mlflow]'); a resumed "
+                           "run continues the same MLflow run")
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="MLflow settings")
     progress: bool = Field(True, description="live progress display on the terminal")
     prometheus_port: int | None = Field(
         None, ge=0, le=65535, description="serve step and checkpoint metrics for Prometheus on this port; null = off")
-
-    @field_validator("wandb_enabled")
-    @classmethod
-    def _wandb_not_yet(cls, enabled: bool) -> bool:
-        # Checked here, not when the sinks open, so that it fails before a model loads.
-        if enabled:
-            raise ValueError("Weights & Biases logging is not available yet; use logger.tensorboard_enabled=true")
-        return enabled
 
 
 class Config(_Section):

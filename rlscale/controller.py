@@ -173,7 +173,7 @@ def train(cfg: Config) -> dict:
         write_atomic(run_dir / "config.yaml", cfg.to_yaml())
         sinks = build_sinks(run_dir, cfg.logger.tensorboard_enabled, cfg.logger.wandb_enabled,
                             resumed_step=state.step if resumed_from else None,
-                            prometheus_port=cfg.logger.prometheus_port)
+                            prometheus_port=cfg.logger.prometheus_port, config=cfg)
         cleanup.callback(sinks.close)
         run = Run(cfg, group, scorer, checkpointer, sinks, loader, datasets.val, state)
         with ProgressDisplay(cfg.grpo.max_num_steps, state.step, cfg.logger.progress) as progress:

@@ -96,8 +96,10 @@ def test_parse_override_splits_at_the_first_equals_sign():
     (["grpo.max_num_steps"], "override 'grpo.max_num_steps' is not of the form key.sub=value"),
     (["grpo..seed=1"], "override 'grpo..seed=1' is not of the form key.sub=value"),
     (["grpo.max_num_steps=3", "grpo.max_num_steps.x=1"], "override 'grpo.max_num_steps.x': 'max_num_steps' is a value"),
-    (["logger.wandb_enabled=true"],
-     "config key 'logger.wandb_enabled': Weights & Biases logging is not available yet"),
+    (["logger.wandb.mode=sometimes"],
+     "config key 'logger.wandb.mode': input should be 'online', 'offline' or 'disabled' "
+     "(got 'sometimes')"),
+    (["logger.mlflow.experimnt=x"], "unknown config key 'logger.mlflow.experimnt'"),
     (TWO_STEPS + ["policy.train_global_batch_size=100"],
      "policy.train_global_batch_size=100 must divide grpo.num_prompts_per_step × grpo.num_generations_per_prompt = 256"),
 ])

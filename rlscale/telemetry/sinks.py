@@ -1,10 +1,13 @@
-"""Where per-step metrics go: JSONL always, TensorBoard when enabled."""
+"""Where per-step metrics go: JSONL always; TensorBoard, Weights & Biases and MLflow when enabled."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from rlscale.errors import UserError
 from rlscale.fsutil import write_atomic
@@ -75,17 +78,50 @@ class Sinks:
             sink.close()
 
 
-def build_sinks(log_dir: Path, tensorboard: bool, wandb: bool, resumed_step: int | None = None,
-                prometheus_port: int | None = None) -> Sinks:
-    """resumed_step: the step a resumed run continues after (None for a fresh run)."""
-    if wandb:
-        raise UserError("logger.wandb_enabled: Weights & Biases logging is not available yet; "
-                        "use logger.tensorboard_enabled=true")
-    sinks: list = [JsonlSink(Path(log_dir) / "metrics.jsonl", resumed_step)]
-    if tensorboard:
-        sinks.append(TensorBoardSink(Path(log_dir) / "tensorboard", resumed_step))
-    if prometheus_port is not None:
-        from rlscale.telemetry.prometheus import PrometheusSink
+def _resolved_config(log_dir: Path, config) -> dict[str, Any]:
+    """The run's resolved config as a dict: the one given, else <log_dir>/config.yaml, else {}."""
+    if config is None:
+        path = Path(log_dir) / "config.yaml"
+        return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.exists() else {}
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    return dict(config)
 
-        sinks.append(PrometheusSink(prometheus_port))
+
+def build_sinks(log_dir: Path, tensorboard: bool, wandb: bool, resumed_step: int | None = None,
+                prometheus_port: int | None = None, *, mlflow: bool | None = None, config=None) -> Sinks:
+    """resumed_step: the step a resumed run continues after (None for a fresh run).
+
+    config: the resolved Config (or its dict); None reads <log_dir>/config.yaml. It supplies the
+    logger.wandb / logger.mlflow settings, the params recorded with the run, and, when mlflow is
+    None, logger.mlflow_enabled.
+    """
+    from rlscale.config import LoggerConfig
+
+    log_dir = Path(log_dir)
+    resolved = _resolved_config(log_dir, config) if (wandb or mlflow is not False) else {}
+    logger = LoggerConfig.model_validate(resolved.get("logger") or {})
+    if mlflow is None:
+        mlflow = logger.mlflow_enabled
+    # The optional sinks open first: a missing package fails before metrics.jsonl is touched.
+    sinks: list = []
+    try:
+        if tensorboard:
+            sinks.append(TensorBoardSink(log_dir / "tensorboard", resumed_step))
+        if wandb:
+            from rlscale.telemetry.wandb_sink import WandbSink
+
+            sinks.append(WandbSink(log_dir, logger.wandb, resolved))
+        if mlflow:
+            from rlscale.telemetry.mlflow_sink import MlflowSink
+
+            sinks.append(MlflowSink(log_dir, logger.mlflow, resolved))
+        if prometheus_port is not None:
+            from rlscale.telemetry.prometheus import PrometheusSink
+
+            sinks.append(PrometheusSink(prometheus_port))
+        sinks.insert(0, JsonlSink(log_dir / "metrics.jsonl", resumed_step))
+    except BaseException:
+        Sinks(sinks).close()  # a sink that fails to open leaves none of the others open
+        raise
     return Sinks(sinks)

@@ -19,8 +19,11 @@ def test_loop_saves_every_step_logs_commits_and_resumes(make_cfg):
     assert resumed["resumed_from"] == str(cfg.checkpoint_dir / "step_2") and resumed["steps_run"] == 1
     assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["step_2", "step_3"]  # keep_top_k=2
     rows = [json.loads(line) for line in (cfg.checkpoint_dir.parent / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert all(row["ckpt/stall_s"] >= 0 for row in rows)  # every step saved
+    step_rows = [row for row in rows if "reward/mean" in row]
+    assert [row["step"] for row in step_rows] == [1, 2, 3]
+    assert all(row["ckpt/stall_s"] >= 0 for row in step_rows)  # every step saved
     committed = [row["ckpt/committed_step"] for row in rows if "ckpt/committed_step" in row]
-    assert committed and all(row.get("ckpt/GBps", 1) > 0 for row in rows)
+    assert 3 in committed  # the last save's commit is logged too, on the run's final row
+    assert all(row.get("ckpt/GBps", 1) > 0 for row in rows)
     state = json.loads((cfg.checkpoint_dir / "step_3" / "trainer_state.json").read_text())
     assert state["step"] == 3 and state["loader"]["consumed"] == 6  # 2 prompts a step, across the resume

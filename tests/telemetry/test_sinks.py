@@ -1,5 +1,6 @@
 import json
 import math
+import sys
 
 import pytest
 
@@ -47,8 +48,10 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
     assert [(s.step, s.value) for s in scalars] == [(1, 0.25), (2, 0.5)]
 
 
-def test_wandb_request_is_a_clear_user_error(tmp_path):
-    with pytest.raises(UserError, match="logger.wandb_enabled"):
+def test_wandb_without_the_package_is_a_clear_user_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    needs = r"logger.wandb_enabled needs the 'wandb' package: pip install 'rlscale\[wandb\]'"
+    with pytest.raises(UserError, match=needs):
         build_sinks(tmp_path, tensorboard=False, wandb=True)
     assert not (tmp_path / "metrics.jsonl").exists()
 
