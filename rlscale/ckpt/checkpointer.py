@@ -45,6 +45,7 @@ class SaveReport:
     persist_s: float | None = None  # snapshot start -> durable and committed; None while in flight
     gbps: float | None = None  # bytes / persist_s
     free_bytes: int | None = None  # left on the checkpoint file system after the commit
+    retained_bytes: int | None = None  # all committed steps kept after retention
 
     @property
     def committed(self) -> bool:
@@ -59,8 +60,11 @@ class SaveReport:
         """The persist numbers alone: what a later step logs when a background save commits."""
         if not self.committed:
             return {}
-        return {"ckpt/committed_step": float(self.step), "ckpt/persist_s": self.persist_s,
-                "ckpt/GBps": self.gbps, "ckpt/free_GB": self.free_bytes / 1e9}
+        out = {"ckpt/committed_step": float(self.step), "ckpt/persist_s": self.persist_s,
+               "ckpt/GBps": self.gbps, "ckpt/free_GB": self.free_bytes / 1e9}
+        if self.retained_bytes is not None:
+            out["ckpt/retained_GB"] = self.retained_bytes / 1e9
+        return out
 
 
 class Checkpointer:
@@ -150,7 +154,7 @@ class Checkpointer:
             layout.fsync_path(self.root)
             report.persist_s = time.perf_counter() - started
             report.gbps = report.bytes / report.persist_s / 1e9
-            self._apply_retention()
+            report.retained_bytes = self._apply_retention()
             report.free_bytes = shutil.disk_usage(self.root).free
             with self._lock:
                 self._done.append(report)
@@ -159,15 +163,19 @@ class Checkpointer:
             with self._lock:
                 self._error = (report.step, exc)
 
-    def _apply_retention(self) -> None:
-        committed = []
+    def _apply_retention(self) -> int:
+        """Delete what retention drops; returns the bytes of the committed steps that remain."""
+        committed, sizes = [], {}
         for step, path in layout.committed_steps(self.root):
             manifest = layout.read_manifest(path)
             if manifest is not None:
                 committed.append((step, manifest.get("metrics", {})))
+                sizes[step] = sum(manifest.get("files", {}).values()) + len(json.dumps(manifest))
         s = self.settings
-        for step in steps_to_delete(committed, s.keep_top_k, s.metric_name, s.higher_is_better):
+        dropped = steps_to_delete(committed, s.keep_top_k, s.metric_name, s.higher_is_better)
+        for step in dropped:
             shutil.rmtree(self.root / layout.step_dir_name(step), ignore_errors=True)
+        return sum(size for step, size in sizes.items() if step not in dropped)
 
     def _join(self) -> None:
         if self._thread is not None:

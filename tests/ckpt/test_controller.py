@@ -25,5 +25,7 @@ def test_loop_saves_every_step_logs_commits_and_resumes(make_cfg):
     committed = [row["ckpt/committed_step"] for row in rows if "ckpt/committed_step" in row]
     assert 3 in committed  # the last save's commit is logged too, on the run's final row
     assert all(row.get("ckpt/GBps", 1) > 0 for row in rows)
+    on_disk = sum(f.stat().st_size for f in cfg.checkpoint_dir.rglob("*") if f.is_file())
+    assert abs(rows[-1]["ckpt/retained_GB"] * 1e9 - on_disk) < 0.01 * on_disk  # steps 2 and 3 kept
     state = json.loads((cfg.checkpoint_dir / "step_3" / "trainer_state.json").read_text())
     assert state["step"] == 3 and state["loader"]["consumed"] == 6  # 2 prompts a step, across the resume

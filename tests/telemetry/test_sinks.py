@@ -74,7 +74,7 @@ def test_prometheus_endpoint_serves_step_metrics_and_checkpoint_bytes(tmp_path):
 
     sink = PrometheusSink(0, address="127.0.0.1")  # port 0: the OS picks a free one
     try:
-        sink.log(3, {"reward/mean": 0.625, "ckpt/bytes": 1000, "train/kl": math.nan})
+        sink.log(3, {"reward/mean": 0.625, "ckpt/bytes": 1000, "train/kl": math.nan, "ckpt/retained_GB": 0.5})
         sink.log(4, {"reward/mean": 0.75, "ckpt/bytes": 500})
         body = urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/metrics", timeout=5).read().decode()
     finally:
@@ -82,6 +82,7 @@ def test_prometheus_endpoint_serves_step_metrics_and_checkpoint_bytes(tmp_path):
     assert "rlscale_step 4.0" in body
     assert "rlscale_reward_mean 0.75" in body
     assert "rlscale_ckpt_bytes_written_total 1500.0" in body
+    assert "rlscale_ckpt_retained_GB 0.5" in body
     assert "rlscale_train_kl" not in body  # non-finite values are skipped, not exported as NaN
 
 
