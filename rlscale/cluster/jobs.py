@@ -87,6 +87,16 @@ def _token(token: str | None) -> str | None:
     return token or os.environ.get(TOKEN_ENV) or None
 
 
+def _redacted_extra(token: str | None) -> tuple[str, ...]:
+    """Values to redact from output besides the environment's secrets: the auth token, if any."""
+    return (_token(token),) if _token(token) else ()
+
+
+def _follow_to_end(client, job_id: str, extra: tuple[str, ...]) -> None:
+    """Stream the logs until the job ends, then exit with its outcome."""
+    _finish(client, job_id, follow_logs(client, job_id, extra))
+
+
 def _auth_headers(token: str | None) -> dict | None:
     return {"Authorization": f"Bearer {token}"} if token else None
 
@@ -414,8 +424,7 @@ def submit_cmd(
         typer.echo(f"status: rlscale job status {job_id}{hint}   stop: rlscale job stop {job_id}{hint}")
         return
     with _ray_errors(url, job_id):
-        status = follow_logs(client, job_id, extra)
-        _finish(client, job_id, status)
+        _follow_to_end(client, job_id, extra)
 
 
 @job_app.command("status")
@@ -428,7 +437,7 @@ def status_cmd(
     url, client = connect(address, token)
     with _ray_errors(url, job_id):
         info = client.get_job_info(job_id)
-    extra = (_token(token),) if _token(token) else ()
+    extra = _redacted_extra(token)
     typer.echo(f"submission id: {info.submission_id or info.job_id}")
     typer.echo(f"status:        {info.status}")
     if info.message:
@@ -447,14 +456,13 @@ def logs_cmd(
 ) -> None:
     """A job's logs so far, or (--follow) streamed until it ends."""
     url, client = connect(address, token)
-    extra = (_token(token),) if _token(token) else ()
+    extra = _redacted_extra(token)
     with _ray_errors(url, job_id):
         client.get_job_info(job_id)  # an unknown id: one line, before any stream opens
         if not follow:
             _write(client.get_job_logs(job_id), extra)
             return
-        status = follow_logs(client, job_id, extra)
-        _finish(client, job_id, status)
+        _follow_to_end(client, job_id, extra)
 
 
 @job_app.command("stop")
@@ -481,7 +489,7 @@ def list_cmd(
     url, client = connect(address, token)
     with _ray_errors(url):
         jobs = client.list_jobs()
-    extra = (_token(token),) if _token(token) else ()
+    extra = _redacted_extra(token)
     if not jobs:
         typer.echo(f"no jobs on {url}")
         return

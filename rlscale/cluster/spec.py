@@ -12,11 +12,11 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from rlscale.cluster.k8s import (ENV_NAME, LABEL_KEY, LABEL_VALUE, dns_label, duration, parse_quantity,
                                  quantity)
-from rlscale.config import read_yaml_mapping
+from rlscale.config import _Section, read_yaml_mapping  # one strict base: no unknown keys, no booleans for numbers
 from rlscale.errors import UserError
 
 __all__ = ["ClusterSpec", "cluster_spec_from_dict", "load_cluster_spec", "parse_quantity"]
@@ -27,10 +27,6 @@ SEED_IMAGE = "nvcr.io/nvidia/nemo-rl:v0.4.0"
 SECRET_KEYS = ("HF_TOKEN", "WANDB_API_KEY")
 MAX_RAYCLUSTER_NAME = 53  # KubeRay: 63 minus the longest service suffix ("-serve-svc")
 MAX_RAYJOB_NAME = 47  # KubeRay appends 6 characters to name the RayJob's cluster
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
 
 class HeadResources(_Section):
     cpu_request: str = Field("8", description="head CPU request")
@@ -211,13 +207,6 @@ class ClusterSpec(_Section):
     secret: SecretRef = Field(default_factory=SecretRef)
     job: JobSpec = Field(default_factory=JobSpec)
     monitoring: Monitoring = Field(default_factory=Monitoring)
-
-    @field_validator("num_nodes", "gpus_per_node", mode="before")
-    @classmethod
-    def _no_bool(cls, value):
-        if isinstance(value, bool):
-            raise ValueError(f"expected a number, got {str(value).lower()}")
-        return value
 
     @field_validator("name")
     @classmethod
