@@ -60,7 +60,7 @@ class _DecodeState:
 class RolloutEngine:
     def __init__(self, source_model, device: torch.device, dtype: torch.dtype, max_length: int = 2048,
                  use_cuda_graphs: bool | None = None, check_every: int = 16, prefill_tokens: int = 16384,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, decode_attention: str = "sdpa"):
         reason = unsupported_reason(source_model.config, max_length)
         if reason:
             raise ValueError(f"rollout engine does not support {reason}")
@@ -69,7 +69,7 @@ class RolloutEngine:
         self.shape = self.weights.shape
         self.max_length = max_length
         cos, sin = rotary_table(source_model, max_length, self.device, dtype)
-        self.forward = DecoderForward(self.weights, cos, sin)
+        self.forward = DecoderForward(self.weights, cos, sin, decode_attention)
         # torch.compile fuses the norms, rotary and activation kernels of a decode step (captured
         # into the graph afterwards); compilation happens at the first capture
         self._decode = torch.compile(self.forward.decode, dynamic=False) if compile_decode else self.forward.decode

@@ -33,12 +33,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class KVCache:
-    """Per layer: keys and values [slots, max_length, kv_heads, head_dim]."""
+    """Per layer: keys and values [slots, kv_heads, max_length, head_dim] (attention's own layout)."""
 
     def __init__(self, shape: ModelShape, slots: int, max_length: int, device, dtype):
-        size = (slots, max_length, shape.num_kv_heads, shape.head_dim)
-        self.keys = [torch.empty(size, device=device, dtype=dtype) for _ in range(shape.num_layers)]
-        self.values = [torch.empty(size, device=device, dtype=dtype) for _ in range(shape.num_layers)]
+        size = (slots, shape.num_kv_heads, max_length, shape.head_dim)
+        # zeroed, not empty: masked-out positions still enter the attention product, and 0 * NaN
+        # from uninitialised memory would poison every row
+        self.keys = [torch.zeros(size, device=device, dtype=dtype) for _ in range(shape.num_layers)]
+        self.values = [torch.zeros(size, device=device, dtype=dtype) for _ in range(shape.num_layers)]
         self.slots, self.max_length = slots, max_length
 
     @property
@@ -58,10 +60,13 @@ def rotary_table(source_model, max_length: int, device, dtype) -> tuple[torch.Te
 class DecoderForward:
     """Prefill and decode over the engine's weights; no Python state between calls besides the cache."""
 
-    def __init__(self, weights: DecodeWeights, cos: torch.Tensor, sin: torch.Tensor):
+    def __init__(self, weights: DecodeWeights, cos: torch.Tensor, sin: torch.Tensor, decode_attention: str = "sdpa"):
         self.w, self.s = weights, weights.shape
         self.cos, self.sin = cos, sin
         self.act = ACTIVATIONS[self.s.hidden_act]
+        if decode_attention not in ("sdpa", "matmul"):
+            raise ValueError(f"decode_attention must be sdpa or matmul, not {decode_attention!r}")
+        self.decode_attention = decode_attention
 
     def _qkv(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor):
         """x [..., hidden] -> q [..., H, D], k and v [..., Hkv, D], rotated at `positions` [...]."""
@@ -93,12 +98,12 @@ class DecoderForward:
         h = F.embedding(tokens, self.w.embed)
         for i, layer in enumerate(self.w.layers):
             q, k, v = self._qkv(layer, rms_norm(h, layer.input_norm, self.s.rms_eps), positions)
-            cache.keys[i][slot0:slot0 + batch, :width] = k
-            cache.values[i][slot0:slot0 + batch, :width] = v
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            cache.keys[i][slot0:slot0 + batch, :, :width] = k
+            cache.values[i][slot0:slot0 + batch, :, :width] = v
             # causal attention suffices with right padding: real tokens never see the padding
             attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                enable_gqa=self.s.num_heads != self.s.num_kv_heads)
+                q.transpose(1, 2), k, v, is_causal=True, enable_gqa=self.s.num_heads != self.s.num_kv_heads)
             h = self._block_tail(layer, h, attn.transpose(1, 2).flatten(-2))
         last = h[torch.arange(batch, device=h.device), lengths - 1]
         return self.logits(last)
@@ -115,11 +120,15 @@ class DecoderForward:
         for i, layer in enumerate(self.w.layers):
             q, k, v = self._qkv(layer, rms_norm(h, layer.input_norm, s.rms_eps), positions)
             keys, values = cache.keys[i][:batch], cache.values[i][:batch]
-            keys[slots, positions] = k
-            values[slots, positions] = v
+            keys[slots, :, positions] = k
+            values[slots, :, positions] = v
             # the query heads sharing a kv head act as that head's "query positions": no kv repeat
             q = q.unflatten(1, (s.num_kv_heads, group))  # [B, Hkv, G, D]
-            attn = F.scaled_dot_product_attention(
-                q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible)
+            if self.decode_attention == "sdpa":
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+            else:  # plain batched matmuls; torch.compile fuses the mask and softmax between them
+                scores = (q @ keys.transpose(-1, -2)).float() * s.head_dim ** -0.5
+                probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(values.dtype)
+                attn = probs @ values
             h = self._block_tail(layer, h, attn.flatten(1))
         return self.logits(h)

@@ -48,17 +48,28 @@ def recomputed_logprobs(model, prompt, response) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_greedy_tokens_equal_hf_generate_and_logprobs_equal_the_trainers(family):
+def test_greedy_tokens_equal_hf_generate_and_logprobs_equal_the_trainers(family, attention):
     model = make(family)
     prompts = ragged_prompts()
-    engine = RolloutEngine(model, torch.device("cpu"), torch.float32, max_length=128)
+    engine = RolloutEngine(model, torch.device("cpu"), torch.float32, max_length=128, decode_attention=attention)
     out = engine.generate(prompts, 24, SamplingMode(temperature=0.0), eos_ids=[1], pad_id=0, ignore_eos=True)
     assert out.tokens == hf_greedy(model, prompts, 24)
     assert out.stopped == [False] * len(prompts)
     for prompt, tokens, logprobs in zip(prompts, out.tokens, out.logprobs):
         torch.testing.assert_close(torch.tensor(logprobs), recomputed_logprobs(model, prompt, tokens),
                                    atol=2e-5, rtol=0)
+
+
+def test_bf16_logprobs_stay_finite_and_close_to_the_forward_pass():
+    model = make("qwen2").to(torch.bfloat16)
+    prompts = ragged_prompts(4)
+    engine = RolloutEngine(model, torch.device("cpu"), torch.bfloat16, max_length=128)
+    out = engine.generate(prompts, 24, SamplingMode(temperature=1.0), [1], 0, ignore_eos=True)
+    for prompt, tokens, logprobs in zip(prompts, out.tokens, out.logprobs):
+        torch.testing.assert_close(torch.tensor(logprobs), recomputed_logprobs(model, prompt, tokens),
+                                   atol=0.05, rtol=0)  # finite, and within bf16 rounding
 
 
 def test_sync_weights_copies_updates_in_place():
