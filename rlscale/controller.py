@@ -230,7 +230,7 @@ class Run:
 
         while state.step < cfg.grpo.max_num_steps:
             if self.signals.requested or self.deadline.due(self.step_estimate_s, self.save_estimate_s):
-                self.stop(progress)  # a safe point between steps; raises RunStopped
+                self.stop()  # a safe point between steps; raises RunStopped
             step = state.step + 1
             step_started = time.perf_counter()
             with timer.section("generate"):
@@ -239,10 +239,10 @@ class Run:
                 answers = [p.answer for p in problems for _ in range(G)]
                 rollouts = generate_rollouts(group, texts, params)
             maybe_fault("loop.after_generate")
-            self.abandon_step_if_stopping(progress)
+            self.abandon_step_if_stopping()
             with timer.section("reward"):
                 scores = self.scorer.score(rollouts.texts, answers)
-            self.abandon_step_if_stopping(progress)
+            self.abandon_step_if_stopping()
             rewards = torch.tensor(scores.rewards).view(P, G)
             advantages = group_advantages(rewards, cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards)
             with timer.section("train"):
@@ -268,7 +268,7 @@ class Run:
             maybe_fault("loop.after_step")
 
         if self.signals.requested:  # during the last step: its save is in flight; skip validation
-            self.stop(progress)
+            self.stop()
         eval_after, final = None, {}
         if cfg.grpo.val_at_end:
             eval_after = self.validate()
@@ -301,14 +301,14 @@ class Run:
 
     # ------------------------------------------------------------------ stopping early
 
-    def abandon_step_if_stopping(self, progress: ProgressDisplay) -> None:
+    def abandon_step_if_stopping(self) -> None:
         """A safe point inside a step: on a signal, drop the step when the last finished one is
         already saved (nothing of this step would be kept). Otherwise the step finishes and is saved:
         a save taken mid-step would hold worker RNG states the rollout has already advanced."""
         if self.signals.requested and (self.last_saved == self.state.step or not self.cfg.checkpointing.enabled):
-            self.stop(progress)
+            self.stop()
 
-    def stop(self, progress: ProgressDisplay) -> None:
+    def stop(self) -> None:
         """Save the last finished step unless it is saved already (on a signal, only if the save fits
         in checkpointing.preemption_grace_s), wait for the commit, say what is on disk, raise RunStopped."""
         ckpt, state, signals = self.cfg.checkpointing, self.state, self.signals
@@ -317,7 +317,7 @@ class Run:
         else:
             why, code = f"checkpointing.checkpoint_must_save_by={ckpt.checkpoint_must_save_by}", EXIT_DEADLINE
         final, skipped = {}, ""
-        if ckpt.enabled and self.last_saved != state.step:
+        if ckpt.enabled and self.last_saved != state.step and state.step > self.start_step:  # new work to keep
             since = signals.seconds_since()
             if signals.requested and not save_fits(ckpt.preemption_grace_s, since, self.save_estimate_s):
                 skipped = (f"; step {state.step} not saved: a save takes about {self.save_estimate_s:.1f}s and "
@@ -331,9 +331,8 @@ class Run:
             self.sinks.log(state.step, final)
         newest = self.checkpointer.latest() if ckpt.enabled else None
         kept = f"{newest} is the newest checkpoint" if newest else "no checkpoint is saved"
-        message = f"stopped by {why} after step {state.step}: {kept}{skipped}; run the same command to resume"
-        progress.print(message)
-        raise RunStopped(message, code)
+        raise RunStopped(f"stopped by {why} after step {state.step}: {kept}{skipped}; run the same command to resume",
+                         code)  # the CLI prints it as its last line
 
 
 def _strip(val_metrics: dict | None) -> dict | None:
