@@ -273,6 +273,12 @@ class ClusterSpec(_Section):
             if key.strip().lstrip("+") == "logger.prometheus_port" and value.strip() != str(self.ports.metrics):
                 raise ValueError(f"key 'job.overrides': {text!r} differs from ports.metrics ({self.ports.metrics}), "
                                  "the port the PodMonitoring scrapes; set ports.metrics instead")
+        from rlscale.config import load_config
+
+        grace = load_config(None, self.job.overrides).checkpointing.preemption_grace_s
+        if grace >= self.termination_grace_period_s:
+            raise ValueError(f"key 'termination_grace_period_s': {self.termination_grace_period_s} s does not leave "
+                             f"the job's checkpointing.preemption_grace_s ({grace:g} s) time to commit; make it larger")
         return self
 
 

@@ -272,6 +272,9 @@ def test_a_secret_cannot_be_put_in_plain_env():
     ({"job": {"overrides": ["cluster.num_nodes=4"]}}, "job.overrides"),
     ({"monitoring": {"interval": "often"}}, "monitoring.interval"),
     ({"job": {"overrides": ["logger.prometheus_port=9000"]}}, "job.overrides"),
+    ({"termination_grace_period_s": 30}, "termination_grace_period_s"),  # no more than preemption_grace_s
+    ({"termination_grace_period_s": 60, "job": {"overrides": ["checkpointing.preemption_grace_s=90"]}},
+     "termination_grace_period_s"),
     ({"gpu_per_node": 8}, "gpu_per_node"),
     ({"secret": {"optional_keys": ["HF_HOME"]}}, "env"),
 ])
