@@ -147,6 +147,7 @@ def remove_step_dir(step_dir: Path) -> None:
 
     step_dir = Path(step_dir)
     aside = step_dir.with_name("dropped_" + step_dir.name)
+    shutil.rmtree(aside, ignore_errors=True)  # an earlier deletion of the same step a crash cut short
     try:
         step_dir.rename(aside)
     except FileNotFoundError:  # already gone (removed by hand meanwhile): nothing to do
