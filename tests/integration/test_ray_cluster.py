@@ -101,3 +101,16 @@ def test_rewards_scored_by_ray_actors_match_the_local_pool(tiny_model, tmp_path)
         runs[name] = [(row["step"], row["reward/mean"]) for row in rows if "reward/mean" in row]
     assert len(runs["local"]) == 2
     assert runs["actors"] == runs["local"]
+
+
+def test_sigterm_to_the_driver_saves_from_live_ray_workers_and_exits_143(tiny_model, tmp_path, monkeypatch):
+    """The driver's handler replaces Ray's (which would exit at once); the actors never see the signal."""
+    log_dir = tmp_path / "run"
+    monkeypatch.setenv("RLSCALE_FAULT", "loop.after_step:1:SIGTERM")
+    result = run_cli("train", *RAY_RUN, f"policy.model_name={tiny_model}", "grpo.max_num_steps=3",
+                     "grpo.val_at_start=false", "checkpointing.save_period=100", f"logger.log_dir={log_dir}",
+                     cwd=tmp_path)
+    assert result.returncode == 143, result.output
+    assert "rlscale: stopped by SIGTERM after step 1: " in result.stderr and "Traceback" not in result.stderr
+    manifest = json.loads((log_dir / "checkpoints" / "step_1" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2  # the emergency save came from both workers
