@@ -6,6 +6,7 @@ auto   the newest committed step that verifies; damaged newer steps are skipped 
 never  a fresh start; refused while the directory holds committed steps, because the new run's
        saves and retention would replace or delete them. Nothing is ever deleted to make room.
 PATH   that step directory, verified; a one-line error naming the path if missing or damaged.
+       Newer steps in checkpoint_dir are named in a note: the run replaces each as it saves that step.
 
 Verification checks file sizes against the manifest, and checksums too with
 `checkpointing.verify_checksums` (that reads every byte, so a flipped bit is caught as well).
@@ -24,13 +25,18 @@ from rlscale.errors import UserError
 class ResumeChoice:
     path: Path | None  # None: start fresh
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (step dir name, why) of damaged newer steps
+    newer: list[str] = field(default_factory=list)  # committed steps newer than an explicitly chosen one
 
     def notes(self) -> list[str]:
-        if not self.skipped:
-            return []
-        skipped = "; ".join(f"{name}: {why}" for name, why in self.skipped)
         target = self.path.name if self.path is not None else "nothing"
-        return [f"skipped damaged checkpoint(s) ({skipped}); resuming from {target}"]
+        out = []
+        if self.skipped:
+            skipped = "; ".join(f"{name}: {why}" for name, why in self.skipped)
+            out.append(f"skipped damaged checkpoint(s) ({skipped}); resuming from {target}")
+        if self.newer:
+            out.append(f"resuming from {target} although the checkpoint dir holds newer steps "
+                       f"({', '.join(self.newer)}); each is replaced when this run saves the same step")
+        return out
 
 
 def choose(root: Path, mode: str, checksums: bool = False) -> ResumeChoice:
@@ -59,4 +65,5 @@ def choose(root: Path, mode: str, checksums: bool = False) -> ResumeChoice:
     verdict = layout.verify_step_dir(path, checksums=checksums)
     if not verdict.ok:
         raise UserError(f"checkpointing.resume: {mode!r} is not an intact checkpoint: {verdict.reason}")
-    return ResumeChoice(path)
+    chosen = layout.read_manifest(path).get("step", -1)
+    return ResumeChoice(path, newer=[p.name for step, p in layout.committed_steps(root) if step > chosen])

@@ -218,7 +218,9 @@ def test_a_truncated_manifest_is_skipped_by_auto_and_refused_by_path(three_steps
     assert picked.path == root / "step_2" and "manifest.json" in picked.notes()[0]
     with pytest.raises(UserError, match=r"checkpointing.resume: '.*step_3' is not an intact checkpoint: manifest"):
         choose(root, str(root / "step_3"))
-    assert choose(root, str(root / "step_1")).path == root / "step_1"
+    explicit = choose(root, str(root / "step_1"))
+    assert explicit.path == root / "step_1"
+    assert "newer steps (step_2, step_3)" in explicit.notes()[0]  # they are not deleted silently
     with pytest.raises(UserError, match=r"checkpointing.resume: '.*step_9' does not exist"):
         choose(root, str(root / "step_9"))
 
