@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from rlscale.errors import UserError
+from rlscale.preemption import RunStopped
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="GRPO post-training of language models with verifiable rewards.")
@@ -33,7 +34,14 @@ def train(
     config: Optional[Path] = CONFIG_OPTION,
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the resolved config, then stop"),
 ) -> None:
-    """Run GRPO (the built-in tiny arithmetic job when given no arguments)."""
+    """Run GRPO (the built-in tiny arithmetic job when given no arguments).
+
+    Exit codes: 0 done; 2 a problem to fix (one line on stderr).
+
+    143 (SIGTERM) or 130 (SIGINT): stopped after saving what fit in checkpointing.preemption_grace_s.
+
+    75: stopped for checkpointing.checkpoint_must_save_by, after a save. Run the same command to resume.
+    """
     from rlscale.config import load_config
 
     cfg = load_config(config, overrides or [])
@@ -302,6 +310,9 @@ def main() -> None:
     except UserError as exc:
         typer.echo(f"rlscale: error: {exc}", err=True)
         sys.exit(2)
+    except RunStopped as exc:  # SIGTERM/SIGINT or the deadline, after saving: see rlscale/preemption.py
+        typer.echo(f"rlscale: {exc}", err=True)
+        sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         typer.echo("rlscale: interrupted", err=True)
         sys.exit(130)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -158,7 +159,16 @@ class CheckpointingConfig(_Section):
     keep_top_k: int | None = Field(2, ge=1, description="best checkpoints kept; newest is always kept")
     metric_name: str | None = Field(None, description="metric ranking checkpoints; null = recency")
     higher_is_better: bool = Field(True, description="direction of metric_name")
-    resume: bool = Field(True, description="resume from the newest complete checkpoint")
+    resume: str = Field(
+        "auto", description="auto = the newest intact step in checkpoint_dir (damaged newer steps are skipped, "
+        "and said so); never = start fresh (refused while checkpoint_dir holds committed steps: nothing is "
+        "deleted); a step_N path = resume from that step (verified). YAML true/false = auto/never")
+    preemption_grace_s: float = Field(
+        30.0, gt=0.0, description="on SIGTERM/SIGINT: take an emergency save only if the last save's durable "
+        "time fits in this many seconds since the signal (GKE spot gives about 30)")
+    checkpoint_must_save_by: str | None = Field(
+        None, description="wall-clock budget from the start, DD:HH:MM:SS (as in NeMo-RL): save and exit "
+        "(code 75) before one more step and its save would pass it; null = no deadline")
     async_save: bool = Field(
         True, description="persist in the background while the next rollout runs; false = wait for the commit")
     staging_budget_gb: float = Field(
@@ -170,6 +180,50 @@ class CheckpointingConfig(_Section):
         None, ge=-1, description="with `lfs` on PATH: `lfs setstripe -c` on each step dir (-1 = all targets)")
     lustre_stripe_size: str | None = Field(
         None, pattern=r"^[0-9]+[KMG]?$", description="with lustre_stripe_count: `lfs setstripe -S`, e.g. 4M")
+
+
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _resume_mode(cls, value: Any) -> str:
+        """Older configs said resume: true/false; they mean auto/never."""
+        if isinstance(value, bool):
+            return "auto" if value else "never"
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return "auto" if value.strip().lower() == "true" else "never"
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError("expected auto, never or the path of a step_N directory")
+        return value.strip()
+
+    @field_validator("checkpoint_must_save_by", mode="before")
+    @classmethod
+    def _deadline_format(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, str):  # YAML reads an unquoted 00:03:30:00 as a base-60 number
+            raise ValueError(f'expected a quoted "DD:HH:MM:SS" string, got {value!r}')
+        parse_duration(value)
+        return value.strip()
+
+    def must_save_by_s(self) -> float | None:
+        """checkpoint_must_save_by in seconds, or None."""
+        return None if self.checkpoint_must_save_by is None else parse_duration(self.checkpoint_must_save_by)
+
+
+_DURATION_RE = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")
+
+
+def parse_duration(text: str) -> float:
+    """'DD:HH:MM:SS' -> seconds; ValueError (a one-line message) when malformed."""
+    match = _DURATION_RE.match(text.strip())
+    if match is None:
+        raise ValueError(f'expected "DD:HH:MM:SS" (e.g. "00:03:45:00"), got {text!r}')
+    days, hours, minutes, seconds = map(int, match.groups())
+    if hours >= 24 or minutes >= 60 or seconds >= 60:
+        raise ValueError(f"{text!r}: hours must be < 24, minutes and seconds < 60")
+    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    if total == 0:
+        raise ValueError(f"{text!r} leaves no time to train")
+    return float(total)
 
 
 class WandbConfig(_Section):

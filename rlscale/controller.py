@@ -15,13 +15,16 @@ from pathlib import Path
 
 import torch
 
-from rlscale.ckpt import Checkpointer
+from rlscale.ckpt import Checkpointer, SaveReport
+from rlscale.ckpt.faults import maybe_fault
+from rlscale.ckpt.resume import choose as choose_resume
 from rlscale.config import Config, derive_sizes
 from rlscale.data import PromptLoader, build_datasets
 from rlscale.errors import UserError
 from rlscale.fsutil import ensure_writable_dir, write_atomic
 from rlscale.evaluate import EvalResult, evaluate, is_correct
 from rlscale.grpo import group_advantages
+from rlscale.preemption import EXIT_DEADLINE, Deadline, RunStopped, StopSignals, save_fits
 from rlscale.rewards import RewardScorer
 from rlscale.telemetry import ProgressDisplay, StepTimer, build_sinks
 from rlscale.workers.batch import Rollouts, build_train_batch
@@ -121,20 +124,18 @@ def validate(cfg: Config, group, problems, scorer) -> EvalResult:
                     sampling_params(cfg, temperature=cfg.grpo.val_temperature), k=1)
 
 
-def resume_or_start(cfg: Config, checkpointer: Checkpointer, group, loader: PromptLoader) -> tuple[TrainerState, str | None]:
-    """Restore the newest intact checkpoint when asked to; refuse to mix a fresh run into old ones."""
+def resume_or_start(cfg: Config, checkpointer: Checkpointer, group,
+                    loader: PromptLoader) -> tuple[TrainerState, str | None, list[str]]:
+    """Restore the checkpoint `checkpointing.resume` picks (see rlscale/ckpt/resume.py); returns
+    the state, the step dir resumed from (None: a fresh start) and lines worth telling the user."""
     if not cfg.checkpointing.enabled:
-        return TrainerState(), None
-    latest = checkpointer.latest()
-    if latest is None:
-        return TrainerState(), None
-    if not cfg.checkpointing.resume:
-        raise UserError(f"checkpointing.resume=false, but {str(cfg.checkpoint_dir)!r} holds checkpoints of an "
-                        f"earlier run ({latest.name}); point logger.log_dir or checkpointing.checkpoint_dir "
-                        "at a new directory")
-    state = TrainerState(**checkpointer.load(latest, group))
+        return TrainerState(), None, []
+    choice = choose_resume(cfg.checkpoint_dir, cfg.checkpointing.resume, cfg.checkpointing.verify_checksums)
+    if choice.path is None:
+        return TrainerState(), None, choice.notes()
+    state = TrainerState(**checkpointer.load(choice.path, group))
     loader.load_state_dict(state.loader)
-    return state, str(latest)
+    return state, str(choice.path), choice.notes()
 
 
 def step_metrics(rollouts: Rollouts, rewards: torch.Tensor, scores, step_s: float) -> dict[str, float]:
@@ -168,15 +169,19 @@ def train(cfg: Config) -> dict:
             checkpointer.prepare()
         group = make_worker_group(cfg)
         cleanup.callback(group.shutdown)
-        state, resumed_from = resume_or_start(cfg, checkpointer, group, loader)
+        state, resumed_from, notes = resume_or_start(cfg, checkpointer, group, loader)
         cleanup.callback(checkpointer.close)  # runs before shutdown: in-flight saves finish first
         write_atomic(run_dir / "config.yaml", cfg.to_yaml())
         sinks = build_sinks(run_dir, cfg.logger.tensorboard_enabled, cfg.logger.wandb_enabled,
                             resumed_step=state.step if resumed_from else None,
                             prometheus_port=cfg.logger.prometheus_port, config=cfg)
         cleanup.callback(sinks.close)
-        run = Run(cfg, group, scorer, checkpointer, sinks, loader, datasets.val, state)
+        signals = cleanup.enter_context(StopSignals())  # SIGTERM/SIGINT: save, then RunStopped
+        run = Run(cfg, group, scorer, checkpointer, sinks, loader, datasets.val, state,
+                  signals, Deadline(cfg.checkpointing.must_save_by_s(), started))
         with ProgressDisplay(cfg.grpo.max_num_steps, state.step, cfg.logger.progress) as progress:
+            for note in notes:
+                progress.print(note)
             eval_after = run.loop(progress, resumed_from)
         state.wall_s = run.wall_before + time.perf_counter() - started
     summary = {
@@ -194,12 +199,18 @@ def train(cfg: Config) -> dict:
 class Run:
     """One invocation of the loop: the parts it drives and the state it advances."""
 
-    def __init__(self, cfg, group, scorer, checkpointer, sinks, loader, val_problems, state: TrainerState):
+    def __init__(self, cfg, group, scorer, checkpointer, sinks, loader, val_problems, state: TrainerState,
+                 signals: StopSignals | None = None, deadline: Deadline | None = None):
         self.cfg, self.group, self.scorer, self.checkpointer = cfg, group, scorer, checkpointer
         self.sinks, self.loader, self.val_problems, self.state = sinks, loader, val_problems, state
+        self.signals = signals or StopSignals()  # not entered: never requested
+        self.deadline = deadline or Deadline(None, 0.0)
         self.start_step, self.wall_before = state.step, state.wall_s
         self.started = time.perf_counter()
         self.pad_id = group.run_rank0("ready")["pad_token_id"]
+        self.last_saved: int | None = None  # the newest step saved (committed or in flight)
+        self.step_estimate_s: float | None = None  # the longest step of this invocation
+        self.save_estimate_s: float | None = None  # the longest save, snapshot start to commit
 
     def loop(self, progress: ProgressDisplay, resumed_from: str | None) -> dict | None:
         """The GRPO loop, top to bottom. Returns the held-out metrics after training."""
@@ -208,7 +219,7 @@ class Run:
         P, G = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
         params = sampling_params(cfg)
         timer = StepTimer()
-        last_saved = state.step if resumed_from else None
+        self.last_saved = state.step if resumed_from else None
         progress.print(f"run dir {cfg.logger.log_dir}  |  {sizes.samples_per_step} samples/step, "
                        f"{sizes.optimizer_steps_per_grpo_step} optimizer step(s)/step, {sizes.world_size} worker(s)"
                        + (f"  |  resumed from {resumed_from}" if resumed_from else ""))
@@ -218,6 +229,8 @@ class Run:
             self.sinks.log(state.step, state.eval_before)
 
         while state.step < cfg.grpo.max_num_steps:
+            if self.signals.requested or self.deadline.due(self.step_estimate_s, self.save_estimate_s):
+                self.stop()  # a safe point between steps; raises RunStopped
             step = state.step + 1
             step_started = time.perf_counter()
             with timer.section("generate"):
@@ -225,8 +238,11 @@ class Run:
                 texts = [p.text for p in problems for _ in range(G)]
                 answers = [p.answer for p in problems for _ in range(G)]
                 rollouts = generate_rollouts(group, texts, params)
+            maybe_fault("loop.after_generate")
+            self.abandon_step_if_stopping()
             with timer.section("reward"):
                 scores = self.scorer.score(rollouts.texts, answers)
+            self.abandon_step_if_stopping()
             rewards = torch.tensor(scores.rewards).view(P, G)
             advantages = group_advantages(rewards, cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards)
             with timer.section("train"):
@@ -241,25 +257,28 @@ class Run:
                                               or step == cfg.grpo.max_num_steps):
                 with timer.section("checkpoint"):
                     metrics.update(self.save({**state.last_val, **metrics}))
-                last_saved = step
             for committed in self.checkpointer.poll():  # saves whose background persist has finished
-                metrics.update(committed.commit_metrics())
+                metrics.update(self.committed(committed))
             metrics.update(timer.pop())
             metrics.update(step_metrics(rollouts, rewards, scores, time.perf_counter() - step_started))
             metrics["data/epoch"] = self.loader.epoch
             self.sinks.log(step, metrics)
             progress.update(step, metrics)
+            self.step_estimate_s = max(self.step_estimate_s or 0.0, time.perf_counter() - step_started)
+            maybe_fault("loop.after_step")
 
+        if self.signals.requested:  # during the last step: its save is in flight; skip validation
+            self.stop()
         eval_after, final = None, {}
         if cfg.grpo.val_at_end:
             eval_after = self.validate()
             progress.print(f"held-out accuracy after training: {eval_after['val/accuracy']:.3f}")
             final.update({f"final/{k}": v for k, v in eval_after.items()})
         if cfg.checkpointing.enabled:
-            if last_saved != state.step:
+            if self.last_saved != state.step:
                 final.update(self.save(state.last_val))
             for committed in self.checkpointer.wait():  # the last save's persist numbers, too
-                final.update(committed.commit_metrics())
+                final.update(self.committed(committed))
         if final:
             self.sinks.log(state.step, final)
         return eval_after
@@ -269,7 +288,51 @@ class Run:
 
     def save(self, metrics: dict[str, float]) -> dict[str, float]:
         self.state.wall_s = self.wall_before + time.perf_counter() - self.started
-        return self.checkpointer.save(self.state.step, self.group, self.state.__dict__, metrics).metrics()
+        report = self.checkpointer.save(self.state.step, self.group, self.state.__dict__, metrics)
+        self.last_saved = self.state.step
+        if report.committed:  # checkpointing.async_save=false
+            self.committed(report)
+        return report.metrics()
+
+    def committed(self, report: SaveReport) -> dict[str, float]:
+        """Note a commit's durable time (for the grace and deadline estimates); its metrics."""
+        self.save_estimate_s = max(self.save_estimate_s or 0.0, report.persist_s)
+        return report.commit_metrics()
+
+    # ------------------------------------------------------------------ stopping early
+
+    def abandon_step_if_stopping(self) -> None:
+        """A safe point inside a step: on a signal, drop the step when the last finished one is
+        already saved (nothing of this step would be kept). Otherwise the step finishes and is saved:
+        a save taken mid-step would hold worker RNG states the rollout has already advanced."""
+        if self.signals.requested and (self.last_saved == self.state.step or not self.cfg.checkpointing.enabled):
+            self.stop()
+
+    def stop(self) -> None:
+        """Save the last finished step unless it is saved already (on a signal, only if the save fits
+        in checkpointing.preemption_grace_s), wait for the commit, say what is on disk, raise RunStopped."""
+        ckpt, state, signals = self.cfg.checkpointing, self.state, self.signals
+        if signals.requested:
+            why, code = f"{signals.name}", signals.exit_code
+        else:
+            why, code = f"checkpointing.checkpoint_must_save_by={ckpt.checkpoint_must_save_by}", EXIT_DEADLINE
+        final, skipped = {}, ""
+        if ckpt.enabled and self.last_saved != state.step and state.step > self.start_step:  # new work to keep
+            since = signals.seconds_since()
+            if signals.requested and not save_fits(ckpt.preemption_grace_s, since, self.save_estimate_s):
+                skipped = (f"; step {state.step} not saved: a save takes about {self.save_estimate_s:.1f}s and "
+                           f"{max(ckpt.preemption_grace_s - since, 0):.1f}s of checkpointing.preemption_grace_s are left")
+            else:
+                final.update(self.save(state.last_val))
+        if ckpt.enabled:
+            for committed in self.checkpointer.wait():
+                final.update(self.committed(committed))
+        if final:
+            self.sinks.log(state.step, final)
+        newest = self.checkpointer.latest() if ckpt.enabled else None
+        kept = f"{newest} is the newest checkpoint" if newest else "no checkpoint is saved"
+        raise RunStopped(f"stopped by {why} after step {state.step}: {kept}{skipped}; run the same command to resume",
+                         code)  # the CLI prints it as its last line
 
 
 def _strip(val_metrics: dict | None) -> dict | None:

@@ -209,3 +209,36 @@ def test_resolved_yaml_round_trips(tmp_path):
     assert again.digest() == cfg.digest()
     assert load_config(None, ["grpo.seed=1"]).digest() != Config().digest()
     assert yaml.safe_load(cfg.to_yaml())["grpo"]["num_prompts_per_step"] == 32
+
+
+@pytest.mark.parametrize("given, expected", [("true", "auto"), ("false", "never"), ("True", "auto"), ("auto", "auto"),
+                                             ("never", "never"), ("/runs/a/checkpoints/step_40", "/runs/a/checkpoints/step_40")])
+def test_resume_modes_and_old_booleans(given, expected):
+    assert load_config(None, [f"checkpointing.resume={given}"]).checkpointing.resume == expected
+
+
+def test_resume_booleans_in_a_yaml_file_still_work(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("checkpointing:\n  resume: false\n")
+    assert load_config(path).checkpointing.resume == "never"
+
+
+@pytest.mark.parametrize("value, seconds", [("00:03:45:00", 13500.0), ("1:00:00:30", 86430.0)])
+def test_deadline_is_a_dd_hh_mm_ss_budget(value, seconds):
+    assert load_config(None, [f"checkpointing.checkpoint_must_save_by={value}"]).checkpointing.must_save_by_s() == seconds
+
+
+@pytest.mark.parametrize("text, match", [
+    ("checkpointing:\n  checkpoint_must_save_by: 4h\n", r"checkpoint_must_save_by': expected \"DD:HH:MM:SS\""),
+    ("checkpointing:\n  checkpoint_must_save_by: 00:24:00:00\n", "hours must be < 24"),
+    ("checkpointing:\n  checkpoint_must_save_by: 00:00:00:00\n", "leaves no time"),
+    # unquoted, YAML 1.1 reads 1:03:30:00 as a base-60 number: ask for quotes
+    ("checkpointing:\n  checkpoint_must_save_by: 1:03:30:00\n", "expected a quoted"),
+    ("checkpointing:\n  preemption_grace_s: 0\n", "preemption_grace_s"),
+])
+def test_bad_deadline_and_grace_are_one_line_errors_naming_the_key(tmp_path, text, match):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError, match=match) as info:
+        load_config(path)
+    assert "\n" not in str(info.value) and "checkpointing." in str(info.value)

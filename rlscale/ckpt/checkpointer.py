@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlscale.ckpt import layout
+from rlscale.ckpt.faults import maybe_fault
 from rlscale.ckpt.retention import steps_to_delete
 from rlscale.ckpt.tensorfile import file_checksum, write_file
 from rlscale.config import CheckpointingConfig
@@ -81,7 +82,7 @@ class Checkpointer:
     def prepare(self) -> None:
         """Check the directory is writable and remove saves a crash left half-written."""
         ensure_writable_dir(self.root, "checkpointing.checkpoint_dir")
-        for stale in layout.stale_tmp_dirs(self.root):
+        for stale in layout.stale_tmp_dirs(self.root):  # also steps retention had begun to delete
             shutil.rmtree(stale, ignore_errors=True)
 
     def latest(self) -> Path | None:
@@ -104,12 +105,14 @@ class Checkpointer:
         # captured now: the loop mutates these while the commit runs
         small = {layout.TRAINER_STATE: json.dumps(trainer_state).encode(), "config.yaml": self.config_yaml.encode()}
         started = time.perf_counter()
+        maybe_fault("snapshot.before")
         try:
             snaps = group.run_all("checkpoint_snapshot", [(str(tmp),)] * group.world_size)
         except BaseException as exc:
             group.run_all("checkpoint_abort")
             shutil.rmtree(tmp, ignore_errors=True)
             _reraise(step, exc)
+        maybe_fault("snapshot.after")
         index = {"metadata": {"total_size": sum(s["weight_bytes"] for s in snaps)},
                  "weight_map": dict(sorted(kv for s in snaps for kv in s["weight_map"].items()))}
         small[WEIGHT_INDEX] = json.dumps(index, indent=1).encode()
@@ -139,6 +142,7 @@ class Checkpointer:
             files = {rel: entry for result in results for rel, entry in result["files"].items()}
             for rel, data in small.items():
                 files[rel] = list(write_file(str(tmp / rel), data))
+            maybe_fault("commit.before_manifest")
             manifest = {"format": 2, "step": report.step, "world_size": group.world_size,
                         "bytes": sum(size for size, _ in files.values()),
                         "files": {rel: files[rel][0] for rel in sorted(files)},
@@ -147,11 +151,14 @@ class Checkpointer:
             write_file(str(tmp / layout.MANIFEST), json.dumps(manifest, indent=1).encode())
             for sub in sorted({(tmp / rel).parent for rel in files}, reverse=True):
                 layout.fsync_path(sub)  # the new names inside tmp/ are durable before the rename
+            maybe_fault("commit.after_manifest")
             final = Path(report.path)
             if final.exists():  # a step re-saved after resuming from an older one: replace it
-                shutil.rmtree(final)
+                layout.remove_step_dir(final)
             tmp.rename(final)
+            maybe_fault("commit.after_rename")
             layout.fsync_path(self.root)
+            maybe_fault("commit.after_fsync")
             report.persist_s = time.perf_counter() - started
             report.gbps = report.bytes / report.persist_s / 1e9
             report.retained_bytes = self._apply_retention()
@@ -174,7 +181,7 @@ class Checkpointer:
         s = self.settings
         dropped = steps_to_delete(committed, s.keep_top_k, s.metric_name, s.higher_is_better)
         for step in dropped:
-            shutil.rmtree(self.root / layout.step_dir_name(step), ignore_errors=True)
+            layout.remove_step_dir(self.root / layout.step_dir_name(step))
         return sum(size for step, size in sizes.items() if step not in dropped)
 
     def _join(self) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from rlscale.ckpt import tensorfile
+from rlscale.ckpt.faults import maybe_fault
 
 
 @dataclass
@@ -216,7 +217,7 @@ def _yield_cpu() -> None:
 def _write_buffer(path: str, rel: str, buffer: torch.Tensor, ready) -> tuple[str, int, str]:
     if ready is not None:
         ready.synchronize()  # the device-to-host copies into the buffer are complete
-    return (rel, *tensorfile.write_file(path, buffer))
+    return _written(rel, tensorfile.write_file(path, buffer))
 
 
 def _write_direct(path: str, rel: str, plan: tensorfile.FilePlan, tensors: dict) -> tuple[str, int, str]:
@@ -224,8 +225,13 @@ def _write_direct(path: str, rel: str, plan: tensorfile.FilePlan, tensors: dict)
     tensorfile.fill(buffer, plan, tensors)
     if any(t.is_cuda for t in tensors.values()):
         torch.cuda.current_stream().synchronize()
-    return (rel, *tensorfile.write_file(path, buffer))
+    return _written(rel, tensorfile.write_file(path, buffer))
 
 
 def _write_bytes(path: str, rel: str, data: bytes, _ready=None) -> tuple[str, int, str]:
-    return (rel, *tensorfile.write_file(path, data))
+    return _written(rel, tensorfile.write_file(path, data))
+
+
+def _written(rel: str, size_and_checksum: tuple[int, str]) -> tuple[str, int, str]:
+    maybe_fault("persist.after_file")
+    return (rel, *size_and_checksum)

@@ -2,6 +2,7 @@
 
 <checkpoint_dir>/
   tmp_step_N/          being written; never trusted, removed at start
+  dropped_step_N/      a step retention is deleting (renamed aside first); removed at start
   step_N/              committed: renamed from tmp_step_N/ after its manifest was fsynced
     manifest.json      written last: step, file sizes and checksums, metrics, config digest
     trainer_state.json controller state: step, loader position, eval history
@@ -28,6 +29,7 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_RE = re.compile(r"^tmp_step_(\d+)$")
+_DROPPED_RE = re.compile(r"^dropped_step_(\d+)$")
 
 
 def step_dir_name(step: int) -> str:
@@ -131,9 +133,28 @@ def committed_steps(root: Path) -> list[tuple[int, Path]]:
 
 
 def stale_tmp_dirs(root: Path) -> list[Path]:
+    """Uncommitted saves (tmp_step_N) and steps whose deletion a crash interrupted (dropped_step_N)."""
     if not root.is_dir():
         return []
-    return [child for child in root.iterdir() if _TMP_RE.match(child.name) and child.is_dir()]
+    return [child for child in root.iterdir()
+            if (_TMP_RE.match(child.name) or _DROPPED_RE.match(child.name)) and child.is_dir()]
+
+
+def remove_step_dir(step_dir: Path) -> None:
+    """Delete a committed step so that a crash midway never leaves a half-deleted step_N/: rename
+    it aside to dropped_step_N/ (atomic, made durable by the parent's fsync), then delete that."""
+    from rlscale.ckpt.faults import maybe_fault
+
+    step_dir = Path(step_dir)
+    aside = step_dir.with_name("dropped_" + step_dir.name)
+    shutil.rmtree(aside, ignore_errors=True)  # an earlier deletion of the same step a crash cut short
+    try:
+        step_dir.rename(aside)
+    except FileNotFoundError:  # already gone (removed by hand meanwhile): nothing to do
+        return
+    fsync_path(step_dir.parent)
+    maybe_fault("retention.renamed_aside")
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def latest_intact(root: Path) -> Path | None:

@@ -25,7 +25,8 @@ def list_steps(root: Path) -> list[dict]:
                      "metrics": manifest.get("metrics", {})})
     for path in layout.stale_tmp_dirs(root):
         rows.append({"step": int(path.name.rsplit("_", 1)[1]), "path": str(path), "state": "uncommitted",
-                     "reason": "being written, or left by a crash (removed at the next start)", "bytes": None,
+                     "reason": ("being deleted by retention" if path.name.startswith("dropped_") else "being written")
+                               + ", or left by a crash (removed at the next start)", "bytes": None,
                      "world_size": None, "created_unix": None, "metrics": {}})
     return sorted(rows, key=lambda row: (row["step"], row["state"] == "uncommitted"))
 

@@ -59,6 +59,8 @@ def _pod(spec: ClusterSpec, container: dict[str, Any]) -> dict[str, Any]:
         "metadata": {"labels": _labels(spec)},
         "spec": {
             "containers": [container],
+            # time between SIGTERM and SIGKILL: rlscale's emergency save and commit happen in it
+            "terminationGracePeriodSeconds": spec.termination_grace_period_s,
             "nodeSelector": dict(spec.node_selector),
             "tolerations": [t.model_dump(exclude_none=True) for t in spec.tolerations],
             "volumes": _volumes(spec),

@@ -194,6 +194,9 @@ class ClusterSpec(_Section):
     ray_version: str = Field("2.54.0", description="Ray version inside the image")
     num_nodes: int = Field(8, ge=1, description="GPU worker pods (replicas = min = max)")
     gpus_per_node: int = Field(8, ge=1, description="GPUs per worker pod")
+    termination_grace_period_s: int = Field(
+        45, ge=0, description="terminationGracePeriodSeconds of every Ray pod: SIGTERM to SIGKILL; the default is "
+        "checkpointing.preemption_grace_s (30) + 15 s for the commit and exit")
     head: HeadResources = Field(default_factory=HeadResources)
     worker: WorkerResources = Field(default_factory=WorkerResources)
     node_selector: dict[str, str] = Field(
@@ -270,6 +273,12 @@ class ClusterSpec(_Section):
             if key.strip().lstrip("+") == "logger.prometheus_port" and value.strip() != str(self.ports.metrics):
                 raise ValueError(f"key 'job.overrides': {text!r} differs from ports.metrics ({self.ports.metrics}), "
                                  "the port the PodMonitoring scrapes; set ports.metrics instead")
+        from rlscale.config import load_config
+
+        grace = load_config(None, self.job.overrides).checkpointing.preemption_grace_s
+        if grace >= self.termination_grace_period_s:
+            raise ValueError(f"key 'termination_grace_period_s': {self.termination_grace_period_s} s does not leave "
+                             f"the job's checkpointing.preemption_grace_s ({grace:g} s) time to commit; make it larger")
         return self
 
 

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import yaml
 
-from rlscale.cluster.render import FILES, render, render_command, render_to_dir
+from rlscale.cluster.render import FILES, raycluster, rayjob, render, render_command, render_to_dir
 from rlscale.cluster.spec import ClusterSpec, cluster_spec_from_dict, load_cluster_spec, parse_quantity
 from rlscale.errors import UserError
 
@@ -173,6 +173,18 @@ def test_defaults_reproduce_the_seed_cluster(rendered):
         assert env["HF_HOME"] == "/lustre/huggingface_cache"
         assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "eth0"
         assert {p["name"]: p["containerPort"] for p in container["ports"]}["rlscale-metrics"] == 9464
+        assert pod["terminationGracePeriodSeconds"] == 45  # the 30 s of preemption_grace_s, plus the commit
+
+
+def test_the_grace_period_reaches_every_pod_and_covers_the_run_s_preemption_grace():
+    from rlscale.config import CheckpointingConfig
+
+    spec = ClusterSpec(termination_grace_period_s=120)
+    rc = raycluster(spec)["spec"]
+    pods = [rc["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in rc["workerGroupSpecs"]]
+    assert [pod["terminationGracePeriodSeconds"] for pod in pods] == [120, 120]
+    assert rayjob(spec)["spec"]["rayClusterSpec"] == rc
+    assert ClusterSpec().termination_grace_period_s > CheckpointingConfig().preemption_grace_s
 
 
 def test_rayjob_embeds_the_same_cluster_and_runs_rlscale(rendered):
@@ -260,6 +272,9 @@ def test_a_secret_cannot_be_put_in_plain_env():
     ({"job": {"overrides": ["cluster.num_nodes=4"]}}, "job.overrides"),
     ({"monitoring": {"interval": "often"}}, "monitoring.interval"),
     ({"job": {"overrides": ["logger.prometheus_port=9000"]}}, "job.overrides"),
+    ({"termination_grace_period_s": 30}, "termination_grace_period_s"),  # no more than preemption_grace_s
+    ({"termination_grace_period_s": 60, "job": {"overrides": ["checkpointing.preemption_grace_s=90"]}},
+     "termination_grace_period_s"),
     ({"gpu_per_node": 8}, "gpu_per_node"),
     ({"secret": {"optional_keys": ["HF_HOME"]}}, "env"),
 ])

@@ -18,12 +18,16 @@ NOT_CALLABLE = 3
 
 
 def kill_a_worker_once(response: str, answer: str) -> float:
-    """Scores like digit_share, but the first call after the marker file appears SIGKILLs one
-    policy worker actor: a worker lost mid-step (OOM killer, preempted node)."""
+    """Scores like digit_share, but the first call after the marker file appears (and the path in
+    RLSCALE_TEST_KILL_AFTER, if set) SIGKILLs one policy worker actor: a worker lost mid-step (OOM
+    killer, preempted node)."""
     import os
     import signal
 
     marker = os.environ.get("RLSCALE_TEST_KILL_MARKER")
+    after = os.environ.get("RLSCALE_TEST_KILL_AFTER")  # e.g. a checkpoint's step dir: wait until it exists
+    if after and not os.path.exists(after):
+        return digit_share(response, answer)
     if marker and os.path.exists(marker):
         try:
             os.unlink(marker)  # exactly one scoring process wins the race

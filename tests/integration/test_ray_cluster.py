@@ -1,4 +1,5 @@
-"""The same CLI on a local Ray cluster: 2 CPU workers on gloo with FSDP2, and a worker lost mid-step."""
+"""The same CLI on a local Ray cluster: 2 CPU workers on gloo with FSDP2, and a worker lost mid-step
+(the restart resumes from the newest intact checkpoint)."""
 
 from __future__ import annotations
 
@@ -27,23 +28,41 @@ def test_two_cpu_workers_train_and_report_metrics(tiny_model, tmp_path):
         assert row["train/lr"] > 0
 
 
-def test_a_killed_worker_ends_the_run_with_its_name_not_a_hang(tiny_model, tmp_path, monkeypatch):
+def test_a_killed_worker_ends_the_run_with_its_name_and_a_restart_resumes_the_newest_checkpoint(
+        tiny_model, tmp_path, monkeypatch):
     marker = tmp_path / "kill-now"
     marker.write_text("")
+    log_dir = tmp_path / "run"
     monkeypatch.setenv("RLSCALE_TEST_KILL_MARKER", str(marker))
+    # a worker dies in a step after step 1 has committed (saves every step, in the background)
+    monkeypatch.setenv("RLSCALE_TEST_KILL_AFTER", str(log_dir / "checkpoints" / "step_1"))
     started = time.monotonic()
-    result = run_cli("train", *RAY_RUN, f"policy.model_name={tiny_model}", "grpo.max_num_steps=3",
-                     "grpo.val_at_start=false", "checkpointing.enabled=false",
+    result = run_cli("train", *RAY_RUN, f"policy.model_name={tiny_model}", "grpo.max_num_steps=4",
+                     "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.save_period=1",
                      "rewards.function=tests.integration.rewards_for_tests:kill_a_worker_once",
-                     f"logger.log_dir={tmp_path / 'run'}", cwd=tmp_path, timeout=240)
+                     f"logger.log_dir={log_dir}", cwd=tmp_path, timeout=240)
     elapsed = time.monotonic() - started
     assert result.returncode != 0
-    assert not marker.exists(), "the reward function never ran"
+    assert not marker.exists(), "the reward function never killed a worker"
     errors = [line for line in result.stderr.splitlines() if line.startswith("rlscale: error:")]
     assert len(errors) == 1 and "worker rank" in errors[0] and "died" in errors[0], result.stderr[-2000:]
     assert "Traceback" not in result.output
     assert elapsed < 200
-    assert not (tmp_path / "run" / "summary.json").exists()
+    assert not (log_dir / "summary.json").exists()
+
+    from rlscale.ckpt.layout import latest_intact
+
+    newest = latest_intact(log_dir / "checkpoints")
+    assert newest is not None and newest.name in ("step_1", "step_2", "step_3")
+    monkeypatch.delenv("RLSCALE_TEST_KILL_MARKER")
+    one = [arg for arg in RAY_RUN if not arg.startswith("cluster.gpus_per_node")]  # in-process this time
+    again = run_cli("train", *one, f"policy.model_name={tiny_model}", "grpo.max_num_steps=4",
+                    "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.save_period=1",
+                    f"logger.log_dir={log_dir}", cwd=tmp_path)
+    assert again.returncode == 0, again.output
+    summary = json.loads((log_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == str(newest) and summary["final_step"] == 4
+    assert not list((log_dir / "checkpoints").glob("tmp_step_*"))
 
 
 def test_two_sharded_workers_checkpoint_and_one_worker_resumes(tiny_model, tmp_path):
@@ -82,3 +101,16 @@ def test_rewards_scored_by_ray_actors_match_the_local_pool(tiny_model, tmp_path)
         runs[name] = [(row["step"], row["reward/mean"]) for row in rows if "reward/mean" in row]
     assert len(runs["local"]) == 2
     assert runs["actors"] == runs["local"]
+
+
+def test_sigterm_to_the_driver_saves_from_live_ray_workers_and_exits_143(tiny_model, tmp_path, monkeypatch):
+    """The driver's handler replaces Ray's (which would exit at once); the actors never see the signal."""
+    log_dir = tmp_path / "run"
+    monkeypatch.setenv("RLSCALE_FAULT", "loop.after_step:1:SIGTERM")
+    result = run_cli("train", *RAY_RUN, f"policy.model_name={tiny_model}", "grpo.max_num_steps=3",
+                     "grpo.val_at_start=false", "checkpointing.save_period=100", f"logger.log_dir={log_dir}",
+                     cwd=tmp_path)
+    assert result.returncode == 143, result.output
+    assert "rlscale: stopped by SIGTERM after step 1: " in result.stderr and "Traceback" not in result.stderr
+    manifest = json.loads((log_dir / "checkpoints" / "step_1" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2  # the emergency save came from both workers

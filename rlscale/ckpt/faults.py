@@ -1,0 +1,49 @@
+"""Named fault points, for the fault-injection tests: a real kill at a chosen moment of a save.
+
+    RLSCALE_FAULT=commit.after_manifest:2          SIGKILL this process at the 2nd time it passes there
+    RLSCALE_FAULT=loop.after_step:3:SIGTERM        send itself SIGTERM instead (a preemption)
+
+Without the variable (always, outside tests) `maybe_fault` is a dictionary lookup. The points, in
+the order a save passes them (see checkpointer.py and engine.py):
+
+    snapshot.before        the controller starts a save (tmp_step_N/ made, workers not yet copied)
+    snapshot.after         every worker's state is copied; writers are starting
+    persist.after_file     a writer thread has written and fsynced one file (any rank, any writer)
+    commit.before_manifest every data file is durable; manifest.json not yet written
+    commit.after_manifest  manifest.json written and fsynced; tmp_step_N/ not yet renamed
+    commit.after_rename    renamed to step_N/; the checkpoint dir not yet fsynced
+    commit.after_fsync     the commit is durable; retention not yet run
+    retention.renamed_aside a step retention drops has been renamed aside, not yet deleted
+
+and in the training loop: loop.after_generate, loop.after_step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+ENV = "RLSCALE_FAULT"
+
+_lock = threading.Lock()
+_hits: dict[str, int] = {}
+
+
+def _parse(text: str) -> tuple[str, int, int]:
+    point, _, rest = text.partition(":")
+    nth, _, name = rest.partition(":")
+    return point, int(nth or 1), getattr(signal, name or "SIGKILL")
+
+
+def maybe_fault(point: str) -> None:
+    """Signal this process when RLSCALE_FAULT names `point` and this is its nth passage."""
+    spec = os.environ.get(ENV)
+    if not spec or not spec.startswith(point + ":") and spec != point:
+        return
+    name, nth, signum = _parse(spec)
+    with _lock:
+        _hits[name] = _hits.get(name, 0) + 1
+        hit = _hits[name] == nth
+    if hit:
+        os.kill(os.getpid(), signum)

@@ -1,0 +1,69 @@
+"""Which checkpoint a run starts from: `checkpointing.resume: auto | never | PATH`.
+
+auto   the newest committed step that verifies; damaged newer steps are skipped and reported
+       (a run whose every committed step is damaged stops with an error rather than start over
+       beside them). No committed step: a fresh start.
+never  a fresh start; refused while the directory holds committed steps, because the new run's
+       saves and retention would replace or delete them. Nothing is ever deleted to make room.
+PATH   that step directory, verified; a one-line error naming the path if missing or damaged.
+       Newer steps in checkpoint_dir are named in a note: the run replaces each as it saves that step.
+
+Verification checks file sizes against the manifest, and checksums too with
+`checkpointing.verify_checksums` (that reads every byte, so a flipped bit is caught as well).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlscale.ckpt import layout
+from rlscale.errors import UserError
+
+
+@dataclass
+class ResumeChoice:
+    path: Path | None  # None: start fresh
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (step dir name, why) of damaged newer steps
+    newer: list[str] = field(default_factory=list)  # committed steps newer than an explicitly chosen one
+
+    def notes(self) -> list[str]:
+        target = self.path.name if self.path is not None else "nothing"
+        out = []
+        if self.skipped:
+            skipped = "; ".join(f"{name}: {why}" for name, why in self.skipped)
+            out.append(f"skipped damaged checkpoint(s) ({skipped}); resuming from {target}")
+        if self.newer:
+            out.append(f"resuming from {target} although the checkpoint dir holds newer steps "
+                       f"({', '.join(self.newer)}); each is replaced when this run saves the same step")
+        return out
+
+
+def choose(root: Path, mode: str, checksums: bool = False) -> ResumeChoice:
+    root = Path(root)
+    if mode == "never":
+        committed = layout.committed_steps(root)
+        if committed:
+            raise UserError(f"checkpointing.resume=never, but {str(root)!r} holds checkpoints of an earlier run "
+                            f"({committed[-1][1].name}); point logger.log_dir or checkpointing.checkpoint_dir at a "
+                            "new directory, or resume with checkpointing.resume=auto")
+        return ResumeChoice(None)
+    if mode == "auto":
+        skipped = []
+        for _step, path in reversed(layout.committed_steps(root)):
+            verdict = layout.verify_step_dir(path, checksums=checksums)
+            if verdict.ok:
+                return ResumeChoice(path, skipped)
+            skipped.append((path.name, verdict.reason))
+        if skipped:
+            raise UserError(f"no intact checkpoint in {str(root)!r}: {skipped[0][0]} is damaged ({skipped[0][1]}); "
+                            "move the directory away to start fresh, or set checkpointing.resume to a good step_N")
+        return ResumeChoice(None)
+    path = Path(mode)
+    if not path.exists():
+        raise UserError(f"checkpointing.resume: {mode!r} does not exist")
+    verdict = layout.verify_step_dir(path, checksums=checksums)
+    if not verdict.ok:
+        raise UserError(f"checkpointing.resume: {mode!r} is not an intact checkpoint: {verdict.reason}")
+    chosen = layout.read_manifest(path).get("step", -1)
+    return ResumeChoice(path, newer=[p.name for step, p in layout.committed_steps(root) if step > chosen])
