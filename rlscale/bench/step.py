@@ -28,7 +28,7 @@ from rlscale.bench.scale import QWEN2_SHAPES, run_one
 PROMPTS, GENERATIONS, NEW_TOKENS = 32, 8, 256
 LEARNING_RATE = 1e-6  # TRL's default; the same for both (speed does not depend on it)
 BPE_MERGES_TARGET = 2048  # learned vocabulary of the BPE tokenizer (bytes + merges + specials)
-SPECIALS = ["<pad>", "<eos>"]
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
 REWARD = "rlscale.bench.rewards:parity"
 
 
@@ -57,7 +57,7 @@ def build_bpe_model(shape: str, out_dir: Path) -> dict:
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     params = {"tie_word_embeddings": True, **QWEN2_SHAPES[shape]}
     rows = params["vocab_size"]
@@ -80,18 +80,25 @@ def build_bpe_model(shape: str, out_dir: Path) -> dict:
         next_id, filler = next_id + 1, filler + 1
     core = Tokenizer.from_str(json.dumps(spec))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
-                                        padding_side="left")
-    assert len(tokenizer) == rows, (len(tokenizer), rows)
+                                        unk_token="<unk>", padding_side="left")
+    tokenizer.save_pretrained(out_dir)
     config = Qwen2Config(**params, max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    # Loaded back as the model type's tokenizer class (transformers 5 picks Qwen2Tokenizer from
+    # config.json), which adds its default unk token unless one is named: every id must stay
+    # below the embedding rows, or a padded or unknown id would index past them on the GPU.
+    reloaded = AutoTokenizer.from_pretrained(out_dir)
+    if len(reloaded) != rows or max(reloaded.all_special_ids) >= rows:
+        raise ValueError(f"{shape}: the tokenizer has {len(reloaded)} ids, special ids "
+                         f"{reloaded.all_special_ids}; the model has {rows} rows")
     return {"shape": shape, "model_vocab_rows": rows, "tokenizer": "byte-level BPE trained with `tokenizers` on "
             "arithmetic text", "bpe_learned_tokens": learned, "filler_tokens": rows - learned,
-            "tokenizer_size": len(tokenizer),
+            "tokenizer_size": len(reloaded), "tokenizer_class": type(reloaded).__name__,
+            "special_ids": {"pad": reloaded.pad_token_id, "eos": reloaded.eos_token_id, "unk": reloaded.unk_token_id},
             "note": "model keeps its shape's embedding rows; the tokenizer is padded to the same size with "
                     "filler tokens no text encodes to, so every sampled id decodes"}
 
