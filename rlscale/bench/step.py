@@ -162,10 +162,10 @@ def run_trl(model_dir: Path, steps: int, work: Path, trl_set: list[str]) -> dict
     started = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     result = json.loads(out.read_text()) if out.exists() else {}
-    if done.returncode != 0 and result.get("status") not in ("trl not installed",):
-        result.setdefault("status", "failed")
-        if result["status"] == "ok":
-            result["status"] = "failed"
+    if done.returncode != 0 and result.get("status") != "trl not installed":
+        # e.g. a CUDA device-side assert aborts the process: the steps it finished are kept
+        result["status"] = "failed"
+        result.setdefault("error", f"exit code {done.returncode} (see stderr_tail)")
         result["returncode"] = done.returncode
         result["stderr_tail"] = done.stderr[-4000:]
     if result.get("per_step"):
@@ -243,7 +243,7 @@ def format_table(out: dict) -> str:
         text = "  ".join(f"{c:8.2f}" if isinstance(c, (int, float)) else f"{'-':>8s}" for c in cells)
         lines.append(f"{name:8s}  {text}  {half.get('status')}")
     if out.get("speedup_rlscale_vs_trl"):
-        lines.append(f"rlscale is {out['speedup_rlscale_vs_trl']:.2f}x faster per step than TRL")
+        lines.append(f"TRL step / rlscale step: {out['speedup_rlscale_vs_trl']:.2f}x")
     return "\n".join(lines)
 
 

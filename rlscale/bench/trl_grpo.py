@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import traceback
 from collections import defaultdict
@@ -67,6 +68,8 @@ def run(args, result: dict, write) -> int:
     from rlscale.bench.step import GENERATIONS, LEARNING_RATE, NEW_TOKENS, PROMPTS, bench_prompts
 
     cuda = torch.cuda.is_available()
+    if not cuda:  # the thread count rlscale's worker takes on CPU (policy.cpu_threads unset), for a like run
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     samples = PROMPTS * GENERATIONS
     mbs = args.micro_batch_size
