@@ -88,6 +88,9 @@ def build_bpe_model(shape: str, out_dir: Path) -> dict:
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out_dir)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # both halves load it in processes of their own
     # Loaded back as the model type's tokenizer class (transformers 5 picks Qwen2Tokenizer from
     # config.json), which adds its default unk token unless one is named: every id must stay
     # below the embedding rows, or a padded or unknown id would index past them on the GPU.
@@ -148,7 +151,8 @@ def run_rlscale(model_dir: Path, steps: int, log_dir: Path) -> dict:
 def summarize(per_step: list[dict]) -> dict:
     """Medians over the steps after the first (warm-up); with one step only, that step."""
     timed = per_step[1:] or per_step
-    keys = ("step_s", "generate_s", "logprobs_s", "reward_s", "train_s", "checkpoint_s", "response_length_mean")
+    keys = ("step_s", "generate_s", "logprobs_s", "reward_s", "other_s", "train_s", "checkpoint_s",
+            "response_length_mean")
     return {"steps_timed": len(timed), **{f"median_{k}": _median(timed, k) for k in keys}}
 
 
