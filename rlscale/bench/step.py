@@ -156,9 +156,12 @@ def summarize(per_step: list[dict]) -> dict:
     return {"steps_timed": len(timed), **{f"median_{k}": _median(timed, k) for k in keys}}
 
 
-def run_trl(model_dir: Path, steps: int, work: Path, trl_set: list[str]) -> dict:
-    """TRL's half in its own process: 'trl not installed' or its error still lets the bench report."""
-    out = work / "trl.json"
+def run_trl(model_dir: Path, steps: int, work: Path, trl_set: list[str], out: Path | None = None) -> dict:
+    """TRL's half in its own process: 'trl not installed' or its error still lets the bench report.
+
+    The process rewrites `out` after every step, so a run cut short keeps the steps it finished."""
+    out = out or work / "trl.json"
+    out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "rlscale.bench.trl_grpo", "--model-dir", str(model_dir), "--steps", str(steps),
            "--json", str(out), "--output-dir", str(work / "trl-out"), "--micro-batch-size", str(micro_batch_size())]
     for item in trl_set:
@@ -224,7 +227,8 @@ def run_benchmark(shape: str, steps: int, json_file: Path | None, only: str | No
             write()
         if only in (None, "trl"):
             echo("trl: running GRPOTrainer in a subprocess ...")
-            out["trl"] = run_trl(model_dir, steps, work, trl_set or [])
+            steps_file = json_file.with_name(json_file.stem + ".trl-steps.json") if json_file else None
+            out["trl"] = run_trl(model_dir, steps, work, trl_set or [], steps_file)
             write()
     r, t = out["rlscale"] or {}, out["trl"] or {}
     if r.get("median_step_s") and t.get("median_step_s"):

@@ -25,6 +25,7 @@ def test_bench_step_tiny_without_trl(tmp_path, monkeypatch):
     assert data["model_dir"]["tokenizer_size"] == data["model_dir"]["model_vocab_rows"] == 512
     assert "speedup_rlscale_vs_trl" not in data
     assert "trl not installed" in result.output
+    assert json.loads((tmp_path / "step.trl-steps.json").read_text())["status"] == "trl not installed"
 
 
 def test_summarize_leaves_out_the_warm_up_step():
