@@ -289,6 +289,25 @@ def bench_gen(
     typer.echo(format_table(out))
 
 
+@bench_app.command("step")
+def bench_step(
+    model: str = typer.Option("qwen2-0.5b", "--model", help="qwen2-0.5b, qwen2-1.5b, qwen2-7b (random weights), tiny"),
+    steps: int = typer.Option(4, "--steps", min=2, help="GRPO steps per half; the first is not timed"),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="write the results here (after each half)"),
+    only: Optional[str] = typer.Option(None, "--only", help="rlscale or trl: run one half"),
+    trl_set: Optional[list[str]] = typer.Option(None, "--trl-set", help="GRPOConfig field=value for TRL (repeatable)"),
+) -> None:
+    """One full GRPO step (32 prompts × 8 samples, 256 new tokens): rlscale vs TRL's GRPOTrainer."""
+    from rlscale.bench.scale import QWEN2_SHAPES
+    from rlscale.bench.step import format_table, run_benchmark
+
+    if model not in QWEN2_SHAPES:
+        raise UserError(f"--model {model!r}: choose one of {', '.join(QWEN2_SHAPES)}")
+    if only not in (None, "rlscale", "trl"):
+        raise UserError(f"--only {only!r}: choose rlscale or trl")
+    typer.echo(format_table(run_benchmark(model, steps, json_file, only, trl_set or [], echo=typer.echo)))
+
+
 def main() -> None:
     import click
 

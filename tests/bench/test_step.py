@@ -1,0 +1,35 @@
+import importlib.util
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from rlscale.bench import step
+from rlscale.cli import app
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is not None, reason="checks the half without TRL installed")
+def test_bench_step_tiny_without_trl(tmp_path, monkeypatch):
+    # The real bench is 32 prompts × 8 samples × 256 tokens; a smaller step keeps CI fast, same code path.
+    monkeypatch.setattr(step, "PROMPTS", 4)
+    monkeypatch.setattr(step, "GENERATIONS", 2)
+    monkeypatch.setattr(step, "NEW_TOKENS", 8)
+    out = tmp_path / "step.json"
+    result = CliRunner().invoke(app, ["bench", "step", "--model", "tiny", "--steps", "2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["trl"]["status"] == "trl not installed"
+    r = data["rlscale"]
+    assert r["status"] == "ok" and r["steps_run"] == 2 and r["steps_timed"] == 1
+    assert r["median_step_s"] > 0 and r["median_generate_s"] > 0 and r["median_train_s"] > 0
+    assert data["model_dir"]["tokenizer_size"] == data["model_dir"]["model_vocab_rows"] == 512
+    assert "speedup_rlscale_vs_trl" not in data
+    assert "trl not installed" in result.output
+    assert json.loads((tmp_path / "step.trl-steps.json").read_text())["status"] == "trl not installed"
+
+
+def test_summarize_leaves_out_the_warm_up_step():
+    rows = [{"step_s": 10.0, "generate_s": 8.0}, {"step_s": 2.0, "generate_s": 1.0}, {"step_s": 4.0, "generate_s": 3.0}]
+    s = step.summarize(rows)
+    assert s["steps_timed"] == 2 and s["median_step_s"] == 3.0 and s["median_generate_s"] == 2.0
+    assert s["median_logprobs_s"] is None
