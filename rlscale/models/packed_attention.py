@@ -47,23 +47,33 @@ def resolve_backend(choice: str, device: torch.device, dtype: torch.dtype) -> st
     return choice
 
 
+_VARLEN_OPTIONS: dict = {}  # how this torch's varlen_attn spells causal/GQA/scale, read once
+
+
+def _varlen_options() -> dict:
+    if not _VARLEN_OPTIONS:
+        from torch.nn.attention.varlen import varlen_attn
+
+        params = inspect.signature(varlen_attn).parameters
+        _VARLEN_OPTIONS.update(
+            causal={"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True},
+            gqa="enable_gqa" in params, scale="scale" in params)
+    return _VARLEN_OPTIONS
+
+
 def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
     """query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
     from torch.nn.attention.varlen import varlen_attn
 
+    options = _varlen_options()
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, heads, D]
-    params = inspect.signature(varlen_attn).parameters
-    extra = {}
-    if "window_size" in params:  # newer torch: causal = window (-1, 0)
-        extra["window_size"] = (-1, 0)
-    else:
-        extra["is_causal"] = True
-    if "scale" in params:
+    extra = dict(options["causal"])
+    if options["scale"]:
         extra["scale"] = scaling
     elif scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-12:
         raise ValueError("this torch's varlen_attn has no scale argument; the model needs a non-default one")
     if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
+        if options["gqa"]:
             extra["enable_gqa"] = True
         else:
             groups = q.shape[1] // k.shape[1]
@@ -95,8 +105,7 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
         raise ValueError("packed attention does not implement sliding-window layers")
     if dropout:
         raise ValueError("packed attention does not implement attention dropout")
-    backend = resolve_backend(getattr(module, _ATTR, "auto"), query.device, query.dtype)
-    if backend == "varlen":
+    if getattr(module, _ATTR, "sdpa") == "varlen":
         return _varlen(query, key, value, cu_seqlens, int(kwargs["max_length_q"]), scaling), None
     return _sdpa_per_document(query, key, value, cu_seqlens, scaling), None
 
@@ -119,10 +128,13 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, _packed_mask)
 
 
-def use_packed_attention(model, backend: str = "auto") -> None:
-    """Switch `model` (a transformers PreTrainedModel) to packed-capable attention."""
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+def use_packed_attention(model, backend: str = "auto") -> str:
+    """Switch `model` (a transformers PreTrainedModel, on its device) to packed-capable
+    attention; returns the backend chosen for packed rows."""
+    weight = next(model.parameters())
+    backend = resolve_backend(backend, weight.device, weight.dtype)
+    if backend == "varlen":
+        _varlen_options()
     register()
     for submodule in model.modules():
         setattr(submodule, _ATTR, backend)
@@ -130,6 +142,7 @@ def use_packed_attention(model, backend: str = "auto") -> None:
         model.set_attn_implementation(NAME)
     else:
         model.config._attn_implementation = NAME
+    return backend
 
 
 def packed_kwargs(cu_seqlens: torch.Tensor, max_seqlen: int) -> dict:

@@ -63,13 +63,18 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self.model = load_model(policy.model_name, self.dtype, self.device, policy.trust_remote_code)
         self.model.config.use_cache = False
         use_packed_attention(self.model, policy.attention_backend)
-        if policy.activation_checkpointing:  # before FSDP2 wraps the blocks, as torchtitan orders it
+        # activation checkpointing, then compile, then FSDP2 (sharding below), as torchtitan orders them
+        if policy.activation_checkpointing:
             enable_activation_checkpointing(self.model)
+        if policy.compile:
+            compile_layers(self.model)
         self.reference = None
         if cfg.loss.reference_policy_kl_penalty > 0:
             self.reference = load_model(policy.model_name, self.dtype, self.device, policy.trust_remote_code)
             self.reference.eval().requires_grad_(False)
             use_packed_attention(self.reference, policy.attention_backend)
+            if policy.compile:
+                compile_layers(self.reference)
         if self.sharded:
             for model in (self.model, self.reference):
                 if model is not None:
@@ -235,6 +240,13 @@ def enable_activation_checkpointing(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def compile_layers(model) -> None:
+    """torch.compile every decoder layer in place (hooks, checkpointing and FSDP2 keep working);
+    shapes vary with each packed row, so they are compiled dynamic."""
+    for layer in model.get_decoder().layers:
+        layer.compile(dynamic=True)
 
 
 def final_hidden_states(model, mb: PackedMicroBatch) -> torch.Tensor:
