@@ -67,26 +67,20 @@ def pack_documents(docs: list[list[int]], response_starts: list[int], rows: list
 
     rows[d] is the batch row of document d (reported back in `rows`).
     """
-    ids, positions, bounds = [], [], [0]
-    logit_index, targets, out_rows, cols = [], [], [], []
-    for doc, start, row in zip(docs, response_starts, rows):
-        offset = bounds[-1]
-        ids.extend(doc)
-        positions.extend(range(len(doc)))
-        bounds.append(offset + len(doc))
-        # target column t predicts token t + 1; response targets are columns start-1 .. len-2
-        for t in range(max(start - 1, 0), len(doc) - 1):
-            logit_index.append(offset + t)
-            targets.append(doc[t + 1])
-            out_rows.append(row)
-            cols.append(t)
-    long = dict(dtype=torch.long)
+    lengths = torch.tensor([len(doc) for doc in docs], dtype=torch.long)
+    bounds = torch.zeros(len(docs) + 1, dtype=torch.long)
+    torch.cumsum(lengths, 0, out=bounds[1:])
+    ids = torch.tensor([token for doc in docs for token in doc], dtype=torch.long)
+    positions = torch.arange(len(ids)) - torch.repeat_interleave(bounds[:-1], lengths)
+    # target column t predicts token t + 1; response targets are columns start-1 .. len-2
+    first = [max(start - 1, 0) for start in response_starts]
+    cols = torch.cat([torch.arange(f, len(doc) - 1) for f, doc in zip(first, docs)]) if docs else torch.zeros(0)
+    counts = torch.tensor([max(len(doc) - 1 - f, 0) for f, doc in zip(first, docs)], dtype=torch.long)
+    logit_index = cols + torch.repeat_interleave(bounds[:-1], counts)
     return PackedMicroBatch(
-        input_ids=torch.tensor([ids], **long), position_ids=torch.tensor([positions], **long),
-        cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
-        max_seqlen=max((b - a for a, b in zip(bounds, bounds[1:])), default=0),
-        logit_index=torch.tensor(logit_index, **long), targets=torch.tensor(targets, **long),
-        rows=torch.tensor(out_rows, **long), cols=torch.tensor(cols, **long))
+        input_ids=ids[None], position_ids=positions[None], cu_seqlens=bounds.to(torch.int32),
+        max_seqlen=int(lengths.max()) if docs else 0, logit_index=logit_index, targets=ids[logit_index + 1],
+        rows=torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), counts), cols=cols.long())
 
 
 def pack_batch(batch: TrainBatch, budget: int) -> list[PackedMicroBatch]:

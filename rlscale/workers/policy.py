@@ -194,7 +194,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
         loss_cfg = self.cfg.loss
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0}
+        # summed on the device: reading each micro-batch's numbers back would stall the GPU queue
+        sums = {key: torch.zeros((), device=self.device) for key in ("loss", "kl", "clip_fraction", "entropy")}
         # Every worker divides by the same global count; gradients are averaged over workers,
         # hence the world size.
         norm = max(global_tokens, 1.0) / self.world_size
@@ -217,14 +218,15 @@ class PolicyWorker(state_io.CheckpointableWorker):
             with torch.no_grad():
                 for key, per_token in (("loss", terms.loss[0]), ("kl", terms.kl[0]),
                                        ("clip_fraction", terms.clipped[0]), ("entropy", entropy)):
-                    sums[key] += float(per_token.sum() / norm)
+                    sums[key] += per_token.sum() / norm
         max_norm = self.cfg.policy.max_grad_norm or math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
-        sums.update(grad_norm=distributed.as_float(grad_norm), lr=lr)
-        return sums
+        stats = {key: float(value) for key, value in sums.items()}
+        stats.update(grad_norm=distributed.as_float(grad_norm), lr=lr)
+        return stats
 
     # ------------------------------------------------------------------ state
 
@@ -249,31 +251,48 @@ def compile_layers(model) -> None:
         layer.compile(dynamic=True)
 
 
-def final_hidden_states(model, mb: PackedMicroBatch) -> torch.Tensor:
-    """[T, d] output of the decoder's final norm for one packed row (the LM head is skipped).
+_REQUEST = "_rlscale_logprob_request"
 
-    The whole model is called (not its decoder alone) so that FSDP2's root hooks gather the
-    embeddings and head; `logits_to_keep` with no positions leaves the head idle.
+
+def _install_logprob_head(head) -> None:
+    """Let the LM head return chunked logprobs instead of logits when a request is pending.
+
+    The head runs inside the model's own forward, so FSDP2 has its weight gathered there and
+    treats the result as the forward's output; parameter names and tying are untouched.
     """
-    captured = []
-    handle = model.get_decoder().register_forward_hook(
-        lambda module, args, output: captured.append(output.last_hidden_state))
-    try:
-        model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-              logits_to_keep=torch.zeros(0, dtype=torch.long, device=mb.input_ids.device),
-              **packed_kwargs(mb.cu_seqlens, mb.max_seqlen))
-    finally:
-        handle.remove()
-    return captured[0][0]
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("packed logprobs assume an LM head without bias")
+    linear_forward = type(head).forward
+
+    def forward(hidden):
+        request = getattr(head, _REQUEST, None)
+        if request is None:
+            return linear_forward(head, hidden)
+        targets, with_entropy, chunk = request
+        logprobs, entropy = linear_logprobs(hidden[0], head.weight, targets, with_entropy, chunk)
+        entropy = entropy if with_entropy else torch.zeros_like(logprobs)
+        return torch.stack([logprobs[None], entropy[None]], -1)  # [1, R, 2], a fresh tensor (no view)
+
+    head.forward = forward
+    setattr(head, _REQUEST, None)
 
 
 def packed_logprobs(model, mb: PackedMicroBatch, with_entropy: bool = False, chunk: int = 2048):
-    """Logprobs [R] (and entropy) of the response tokens of one packed micro-batch."""
+    """Logprobs [R] (and entropy, reported only) of the response tokens of one packed micro-batch.
+
+    `logits_to_keep` hands the head only the response positions; the head computes their
+    log-softmax `chunk` rows at a time (rlscale.grpo.loss.linear_logprobs).
+    """
     head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("packed logprobs assume an LM head without bias")
-    hidden = final_hidden_states(model, mb)[mb.logit_index]
-    return linear_logprobs(hidden, head.weight, mb.targets, with_entropy, chunk)
+    if not hasattr(head, _REQUEST):
+        _install_logprob_head(head)
+    setattr(head, _REQUEST, (mb.targets, with_entropy, chunk))
+    try:
+        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
+                    logits_to_keep=mb.logit_index, **packed_kwargs(mb.cu_seqlens, mb.max_seqlen)).logits[0]
+    finally:
+        setattr(head, _REQUEST, None)
+    return out[:, 0], out[:, 1] if with_entropy else None
 
 
 def _response_length(row: list[int], eos_id: int, pad_id: int) -> int:
