@@ -106,7 +106,7 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     if dropout:
         raise ValueError("packed attention does not implement attention dropout")
     if getattr(module, _ATTR, "sdpa") == "varlen":
-        return _varlen(query, key, value, cu_seqlens, int(kwargs["max_length_q"]), scaling), None
+        return _varlen(query, key, value, cu_seqlens, kwargs["max_length_q"], scaling), None
     return _sdpa_per_document(query, key, value, cu_seqlens, scaling), None
 
 

@@ -143,7 +143,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
         return (micro_batch_size or policy.train_micro_batch_size or 1) * policy.max_total_sequence_length
 
     def _logprobs(self, model, mb: PackedMicroBatch, with_entropy: bool = False):
-        return packed_logprobs(model, mb, with_entropy, self.cfg.policy.logprob_chunk_tokens)
+        policy = self.cfg.policy
+        return packed_logprobs(model, mb, with_entropy, policy.logprob_chunk_tokens, policy.compile)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False,
@@ -268,8 +269,8 @@ def _install_logprob_head(head) -> None:
         request = getattr(head, _REQUEST, None)
         if request is None:
             return linear_forward(head, hidden)
-        targets, with_entropy, chunk = request
-        logprobs, entropy = linear_logprobs(hidden[0], head.weight, targets, with_entropy, chunk)
+        targets, with_entropy, chunk, compiled = request
+        logprobs, entropy = linear_logprobs(hidden[0], head.weight, targets, with_entropy, chunk, compiled)
         entropy = entropy if with_entropy else torch.zeros_like(logprobs)
         return torch.stack([logprobs[None], entropy[None]], -1)  # [1, R, 2], a fresh tensor (no view)
 
@@ -277,7 +278,8 @@ def _install_logprob_head(head) -> None:
     setattr(head, _REQUEST, None)
 
 
-def packed_logprobs(model, mb: PackedMicroBatch, with_entropy: bool = False, chunk: int = 2048):
+def packed_logprobs(model, mb: PackedMicroBatch, with_entropy: bool = False, chunk: int = 2048,
+                    compiled: bool = False):
     """Logprobs [R] (and entropy, reported only) of the response tokens of one packed micro-batch.
 
     `logits_to_keep` hands the head only the response positions; the head computes their
@@ -286,7 +288,7 @@ def packed_logprobs(model, mb: PackedMicroBatch, with_entropy: bool = False, chu
     head = model.get_output_embeddings()
     if not hasattr(head, _REQUEST):
         _install_logprob_head(head)
-    setattr(head, _REQUEST, (mb.targets, with_entropy, chunk))
+    setattr(head, _REQUEST, (mb.targets, with_entropy, chunk, compiled))
     try:
         out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
                     logits_to_keep=mb.logit_index, **packed_kwargs(mb.cu_seqlens, mb.max_seqlen)).logits[0]

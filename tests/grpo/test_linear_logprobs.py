@@ -57,3 +57,21 @@ def test_no_graph_without_grad():
     with torch.no_grad():
         lp, ent = linear_logprobs(hidden, weight, targets)
     assert not lp.requires_grad and ent is None
+
+
+def test_compiled_chunk_kernels_trace_whole_and_agree(monkeypatch):
+    """policy.compile fuses the chunk arithmetic; aot_eager checks the tracing without a C compiler."""
+    from rlscale.grpo import loss
+
+    compiled = {name: torch.compile(fn, dynamic=True, backend="aot_eager", fullgraph=True)
+                for name, fn in (("forward", loss._chunk_forward), ("grad", loss._chunk_grad))}
+    monkeypatch.setattr(loss, "_COMPILED", compiled)
+    hidden, weight, targets, upstream = _inputs(dtype=torch.float32)
+    results = []
+    for use_compiled in (True, False):
+        hidden.grad = weight.grad = None
+        lp, ent = linear_logprobs(hidden, weight, targets, with_entropy=True, chunk=5, compiled=use_compiled)
+        (lp * upstream).sum().backward()
+        results.append((lp, ent, hidden.grad.clone(), weight.grad.clone()))
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected)

@@ -10,7 +10,7 @@ from rlscale.grpo.loss import token_logprobs_and_entropy
 from rlscale.models.packed_attention import packed_kwargs, use_packed_attention
 from rlscale.workers.batch import build_train_batch
 from rlscale.workers.packing import pack_batch, pack_documents, plan_packs
-from rlscale.workers.policy import packed_logprobs
+from rlscale.workers.policy import enable_activation_checkpointing, packed_logprobs
 
 
 def test_plan_packs_respects_the_budget_and_keeps_every_document_once():
@@ -101,3 +101,26 @@ def test_generation_path_is_plain_sdpa():
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
                                    reference(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    model = _tiny("qwen2").train()
+    gen = torch.Generator().manual_seed(2)
+    docs = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (9, 6)]
+    mb = pack_documents(docs, [2, 3], [0, 1])
+
+    def grads():
+        model.zero_grad()
+        logprobs, _ = packed_logprobs(model, mb)
+        logprobs.sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    calls = []
+    model.model.layers[0].self_attn.register_forward_hook(lambda *args: calls.append(1))
+    plain = grads()
+    assert len(calls) == 1
+    enable_activation_checkpointing(model)
+    checkpointed = grads()
+    assert len(calls) == 3  # the forward, then its recomputation in the backward
+    for got, expected in zip(checkpointed, plain):
+        torch.testing.assert_close(got, expected)
