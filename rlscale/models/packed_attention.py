@@ -115,7 +115,8 @@ def _packed_mask(*args, **kwargs):
     and transformers would otherwise build a dense T×T block-diagonal mask from the positions."""
     from transformers.masking_utils import sdpa_mask
 
-    if kwargs.get("attention_mask") is None:
+    given = inspect.signature(sdpa_mask).bind_partial(*args, **kwargs).arguments
+    if given.get("attention_mask") is None:
         return None
     return sdpa_mask(*args, **kwargs)
 
@@ -138,9 +139,9 @@ def use_packed_attention(model, backend: str = "auto") -> str:
     register()
     for submodule in model.modules():
         setattr(submodule, _ATTR, backend)
-    if hasattr(model, "set_attn_implementation"):
+    try:
         model.set_attn_implementation(NAME)
-    else:
+    except (AttributeError, ValueError):  # a transformers that checks names against its own list
         model.config._attn_implementation = NAME
     return backend
 

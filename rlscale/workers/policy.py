@@ -152,11 +152,15 @@ class PolicyWorker(state_io.CheckpointableWorker):
         """Logprobs of the response targets, [B, L-1] like batch.response_mask (0 elsewhere)."""
         model = self.reference if reference else self.model
         model.eval()
-        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        rows, cols, pieces = [], [], []
         with distributed.gathered(model, self.sharded):
             for mb in pack_batch(batch, self._token_budget(micro_batch_size)):
-                logprobs, _ = self._logprobs(model, mb.to(self.device))
-                out[mb.rows, mb.cols] = logprobs.cpu()
+                pieces.append(self._logprobs(model, mb.to(self.device))[0])
+                rows.append(mb.rows)
+                cols.append(mb.cols)
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        if pieces:  # one copy back at the end: no stall between the micro-batches' forwards
+            out[torch.cat(rows), torch.cat(cols)] = torch.cat(pieces).float().cpu()
         return out
 
     def train(self, steps: list[TrainBatch], global_tokens: list[float], global_samples: int,
