@@ -68,7 +68,9 @@ class PolicyConfig(_Section):
     trust_remote_code: bool = Field(False, description="allow model code from the hub")
     train_global_batch_size: int = Field(128, ge=1, description="samples per optimizer step")
     train_micro_batch_size: int | None = Field(
-        None, ge=1, description="samples per forward/backward per worker; null = largest divisor of the per-worker batch ≤ 32")
+        None, ge=1, description="samples per micro-batch per worker, setting its token budget (× "
+        "max_total_sequence_length) when train_micro_batch_tokens is null; null = largest divisor of the "
+        "per-worker batch ≤ 32")
     train_micro_batch_tokens: int | None = Field(
         None, ge=8, description="tokens per packed forward/backward per worker: whole samples are concatenated "
         "into one row (no padding); null = micro-batch samples × max_total_sequence_length")

@@ -168,6 +168,8 @@ def test_explicit_micro_batch_is_kept_and_checked():
      r"policy.generation.max_new_tokens=256 leaves no room"),
     (["checkpointing.metric_name=val/accuracy", "checkpointing.keep_top_k=null"],
      r"checkpointing.metric_name needs checkpointing.keep_top_k"),
+    (["policy.max_total_sequence_length=512", "policy.train_micro_batch_tokens=500"],
+     r"policy.train_micro_batch_tokens=500 must hold the longest sample, policy.max_total_sequence_length=512"),
 ])
 def test_impossible_combinations(overrides, match):
     with pytest.raises(UserError, match=match):

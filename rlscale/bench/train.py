@@ -188,7 +188,8 @@ def run_rlscale(model_dir: Path, variant: str, batch, micro_tokens: int, device,
         started = time.perf_counter()
         worker.compute_logprobs(batch)
         _sync(device)
-        out["logprob_pass_s"] = time.perf_counter() - started
+        out["logprob_pass_s"] = time.perf_counter() - started  # no-grad pass (pi_old, reference), warm
+        out["logprob_pass_tokens_per_s"] = float(batch.attention_mask.sum()) / out["logprob_pass_s"]
         return {**out, **timing}
     finally:
         del worker
