@@ -256,6 +256,31 @@ def bench_scale(
     typer.echo(format_table(out))
 
 
+@bench_app.command("gen")
+def bench_gen(
+    model: list[str] = typer.Option(["qwen2-0.5b"], "--model", help="qwen2-0.5b, qwen2-1.5b, qwen2-7b, tiny (repeatable)"),
+    variant: list[str] = typer.Option(["hf_dynamic", "hf_static", "engine"], "--variant",
+                                      help="hf_dynamic, hf_static, engine, engine_eager (repeatable)"),
+    batch: int = typer.Option(256, "--batch", min=1, help="sequences per generate call"),
+    prompt_tokens: int = typer.Option(64, "--prompt-tokens", min=1),
+    new_tokens: int = typer.Option(256, "--new-tokens", min=2),
+    reps: int = typer.Option(3, "--reps", min=1, help="timed repetitions after the warm-up"),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="write the results here as JSON"),
+) -> None:
+    """Generation tokens/s: rlscale's rollout engine against Hugging Face generate."""
+    from rlscale.bench.gen import VARIANTS, format_table, run_benchmark
+    from rlscale.bench.scale import QWEN2_SHAPES
+
+    for name in model:
+        if name not in QWEN2_SHAPES:
+            raise UserError(f"--model {name!r}: choose one of {', '.join(QWEN2_SHAPES)}")
+    for name in variant:
+        if name not in VARIANTS:
+            raise UserError(f"--variant {name!r}: choose one of {', '.join(VARIANTS)}")
+    out = run_benchmark(model, variant, batch, prompt_tokens, new_tokens, reps, json_file, echo=typer.echo)
+    typer.echo(format_table(out))
+
+
 def _parse_batch(text: str) -> tuple[int, int]:
     samples, sep, seq_len = text.lower().partition("x")
     if not sep or not samples.isdigit() or not seq_len.isdigit() or int(samples) < 1 or int(seq_len) < 4:

@@ -42,6 +42,12 @@ class GenerationConfig(_Section):
     top_k: int | None = Field(None, ge=1, description="keep only the k most likely tokens")
     max_new_tokens: int = Field(16, ge=1, description="longest response, in tokens")
     stop_strings: list[str] = Field(default_factory=list, description="end a response at these strings")
+    backend: Literal["engine", "hf"] = Field(
+        "engine", description="engine: rlscale's rollout engine (KV cache, CUDA graphs; Qwen2/Qwen3/Llama/"
+        "Mistral, others fall back to hf); hf: transformers generate")
+    cuda_graphs: bool = Field(True, description="engine on CUDA: replay decode steps as captured CUDA graphs")
+    compile: bool = Field(True, description="engine on CUDA: fuse the decode step with torch.compile before "
+                          "capturing it (compiles once, at the first generation)")
 
 
 class OptimizerConfig(_Section):

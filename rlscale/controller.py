@@ -90,7 +90,7 @@ def generate_rollouts(group, texts: list[str], params: SamplingParams) -> Rollou
     shards = split_evenly(texts, group.world_size)
     parts = group.run_all("generate", [(shard, params) for shard in shards])
     return Rollouts(*(sum((getattr(p, name) for p in parts), []) for name in
-                      ("prompt_ids", "response_ids", "texts", "truncated")))
+                      ("prompt_ids", "response_ids", "texts", "truncated", "logprobs")))
 
 
 def train_on_rollouts(cfg: Config, group, rollouts: Rollouts, advantages: list[float], step: int,

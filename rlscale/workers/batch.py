@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +15,7 @@ class Rollouts:
     response_ids: list[list[int]]  # sampled tokens, the final eos included when generated
     texts: list[str]  # decoded responses, special tokens removed
     truncated: list[bool]  # stopped by max_new_tokens rather than eos/stop string
+    logprobs: list[list[float]] = field(default_factory=list)  # per response token, from the sampler (engine only)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from rlscale.grpo.loss import grpo_token_loss, linear_logprobs
 from rlscale.models import PromptRenderer, load_model, load_tokenizer, pick_device, pick_dtype
 from rlscale.models.packed_attention import packed_kwargs, use_packed_attention
 from rlscale.workers.batch import Rollouts, TrainBatch
+from rlscale.rollout import RolloutEngine, SamplingMode, StopStrings, round_up, unsupported_reason
 from rlscale.workers.packing import PackedMicroBatch, filler_pack, pack_batch
 from rlscale.workers import distributed, state_io
 
@@ -68,6 +70,9 @@ class PolicyWorker(state_io.CheckpointableWorker):
             enable_activation_checkpointing(self.model)
         if policy.compile:
             compile_layers(self.model)
+        self._rollout: RolloutEngine | None = None
+        self._rollout_unsupported = False
+        self.last_generation_timings: dict[str, float] = {}
         self.reference = None
         if cfg.loss.reference_policy_kl_penalty > 0:
             self.reference = load_model(policy.model_name, self.dtype, self.device, policy.trust_remote_code)
@@ -94,11 +99,47 @@ class PolicyWorker(state_io.CheckpointableWorker):
 
     @torch.no_grad()
     def generate(self, texts: list[str], params: SamplingParams) -> Rollouts:
-        """Sample one response per prompt text (repeat texts for groups), left-padded in one batch."""
+        """Sample one response per prompt text (repeat texts for groups)."""
+        prompt_ids = [self.renderer.render(text) for text in texts]
+        engine = self._rollout_engine()
+        if engine is None:
+            return self._generate_hf(prompt_ids, params)
+        tok = self.tokenizer
+        with distributed.gathered(self.model, self.sharded):
+            engine.sync_weights(self.model)  # in place, device to device; the engine then decodes alone
+        out = engine.generate(
+            prompt_ids, params.max_new_tokens, SamplingMode(params.temperature, params.top_p, params.top_k),
+            eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
+            stop_check=StopStrings(tok, params.stop_strings) if params.stop_strings else None)
+        self.last_generation_timings = out.timings
+        decoded = tok.batch_decode(out.tokens, skip_special_tokens=True)
+        return Rollouts(prompt_ids=prompt_ids, response_ids=out.tokens, texts=decoded,
+                        truncated=[not stopped for stopped in out.stopped], logprobs=out.logprobs)
+
+    def _rollout_engine(self) -> RolloutEngine | None:
+        """Built at the first generation; None when configured off or the model is not supported."""
+        gen = self.cfg.policy.generation
+        if gen.backend != "engine" or self._rollout_unsupported:
+            return None
+        if self._rollout is None:
+            max_length = round_up(self.cfg.policy.max_total_sequence_length, 64)
+            reason = unsupported_reason(self.model.config, max_length)
+            if reason:
+                self._rollout_unsupported = True
+                warnings.warn(f"policy.generation.backend=engine does not support {reason}; "
+                              "using transformers generate", stacklevel=2)
+                return None
+            with distributed.gathered(self.model, self.sharded):
+                self._rollout = RolloutEngine(self.model, self.device, self.dtype, max_length,
+                                             use_cuda_graphs=gen.cuda_graphs and self.device.type == "cuda",
+                                             compile_decode=gen.compile and self.device.type == "cuda")
+        return self._rollout
+
+    def _generate_hf(self, prompt_ids: list[list[int]], params: SamplingParams) -> Rollouts:
+        """transformers generate over one left-padded batch (families the engine does not cover)."""
         from transformers import GenerationConfig
 
         tok = self.tokenizer
-        prompt_ids = [self.renderer.render(text) for text in texts]
         width = max(len(p) for p in prompt_ids)
         ids = torch.full((len(prompt_ids), width), tok.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)

@@ -1,0 +1,241 @@
+"""The rollout engine: batched prefill, a slotted KV cache, decode steps replayed as CUDA graphs.
+
+    engine = RolloutEngine(policy_model, device, dtype)
+    engine.sync_weights(policy_model)           # after every update; copies in place, no disk
+    out = engine.generate(prompt_ids, max_new_tokens=256, mode=SamplingMode(1.0), eos_ids=[eos])
+
+On CUDA each (batch bucket, cache length, sampling mode) gets one captured graph; the host loop
+only replays it and, every `check_every` steps, reads back whether all sequences have stopped.
+On CPU the same step runs eagerly (the path the tests exercise).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rlscale.rollout.forward import DecoderForward, KVCache, rotary_table
+from rlscale.rollout.sampling import SamplingMode, sample_tokens
+from rlscale.rollout.weights import DecodeWeights, unsupported_reason
+
+
+@dataclass
+class Generation:
+    """Per sequence: sampled tokens (through the first eos/stop), their logprobs, how it ended."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    stopped: list[bool]  # ended by eos or a stop string (False: ran into max_new_tokens)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def batch_bucket(size: int) -> int:
+    """Graphs are captured for a few batch sizes; a batch runs in the smallest that fits."""
+    bucket = 8
+    while bucket < size:
+        bucket *= 2
+    return bucket
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class _DecodeState:
+    """Static buffers a captured decode step reads and writes (addresses never change)."""
+
+    def __init__(self, slots: int, max_new_tokens: int, device, pad_id: int, eos_ids: list[int]):
+        self.tokens = torch.full((slots,), pad_id, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)
+        self.done = torch.ones(slots, dtype=torch.bool, device=device)
+        self.step = torch.zeros(1, dtype=torch.long, device=device)
+        self.out_tokens = torch.full((slots, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        self.out_logprobs = torch.zeros(slots, max_new_tokens, dtype=torch.float32, device=device)
+        self.eos = torch.tensor(eos_ids or [-1], dtype=torch.long, device=device)
+        self.pad_id = pad_id
+
+
+class RolloutEngine:
+    def __init__(self, source_model, device: torch.device, dtype: torch.dtype, max_length: int = 2048,
+                 use_cuda_graphs: bool | None = None, check_every: int = 16, prefill_tokens: int = 16384,
+                 compile_decode: bool = False, decode_attention: str = "sdpa"):
+        reason = unsupported_reason(source_model.config, max_length)
+        if reason:
+            raise ValueError(f"rollout engine does not support {reason}")
+        self.device, self.dtype = torch.device(device), dtype
+        self.weights = DecodeWeights(source_model, self.device, dtype)
+        self.shape = self.weights.shape
+        self.max_length = max_length
+        cos, sin = rotary_table(source_model, max_length, self.device, dtype)
+        self.forward = DecoderForward(self.weights, cos, sin, decode_attention)
+        # torch.compile fuses the norms, rotary and activation kernels of a decode step (captured
+        # into the graph afterwards); compilation happens at the first capture
+        self._decode = torch.compile(self.forward.decode, dynamic=False) if compile_decode else self.forward.decode
+        self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        self.check_every = check_every
+        self.prefill_tokens = prefill_tokens
+        self.cache: KVCache | None = None
+        self.state: _DecodeState | None = None
+        self.graphs: dict = {}
+        self.graph_pool = None
+        self.capture_s = 0.0
+
+    def sync_weights(self, source_model) -> None:
+        self.weights.sync_from(source_model)
+
+    # ------------------------------------------------------------------ buffers and graphs
+
+    def _ensure_buffers(self, slots: int, length: int, max_new_tokens: int, pad_id: int, eos_ids: list[int]):
+        """Reuse the cache and graphs when the request fits them; otherwise grow (and recapture)."""
+        fits = (self.cache is not None and self.cache.slots == slots and self.cache.max_length >= length
+                and self.state.out_tokens.shape[1] == max_new_tokens and self.state.pad_id == pad_id
+                and self.state.eos.tolist() == (eos_ids or [-1]))
+        if fits:
+            return
+        self.graphs.clear()
+        self.cache = self.state = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.cache = KVCache(self.shape, slots, length, self.device, self.dtype)
+        self.state = _DecodeState(slots, max_new_tokens, self.device, pad_id, eos_ids)
+
+    def _step(self, mode: SamplingMode) -> None:
+        """One decode step on the static buffers: forward, sample, record, advance."""
+        st = self.state
+        logits = self._decode(st.tokens, st.positions, self.cache)
+        tokens, logprobs = sample_tokens(logits, mode)
+        tokens = torch.where(st.done, st.pad_id, tokens)
+        st.out_tokens.index_copy_(1, st.step, tokens[:, None])
+        st.out_logprobs.index_copy_(1, st.step, logprobs[:, None])
+        st.done |= torch.isin(tokens, st.eos)
+        st.tokens.copy_(tokens)
+        st.positions.add_(1).clamp_(max=self.cache.max_length - 1)
+        st.step.add_(1)
+
+    def _runner(self, mode: SamplingMode):
+        if not self.use_graphs:
+            return lambda: self._step(mode)
+        if mode not in self.graphs:
+            self.graphs[mode] = self._capture(mode)
+        return self.graphs[mode].replay
+
+    def _capture(self, mode: SamplingMode) -> torch.cuda.CUDAGraph:
+        """Capture one decode step; the warm-up writes land in buffers the next prefill resets."""
+        start = time.perf_counter()
+        st = self.state
+        saved = [t.clone() for t in (st.tokens, st.positions, st.done, st.step)]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(mode)
+                st.step.zero_()
+        torch.cuda.current_stream().wait_stream(stream)
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            self._step(mode)
+        for buffer, value in zip((st.tokens, st.positions, st.done, st.step), saved):
+            buffer.copy_(value)
+        torch.cuda.synchronize()
+        self.capture_s += time.perf_counter() - start
+        return graph
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, mode: SamplingMode,
+                 eos_ids: list[int], pad_id: int, stop_check=None, ignore_eos: bool = False) -> Generation:
+        """Sample up to max_new_tokens after each prompt.
+
+        stop_check(index, tokens) -> int | None: the response length at which a stop string ends
+        sequence `index` (checked on the host every `check_every` steps and at the end).
+        """
+        count = len(prompts)
+        longest = max(len(p) for p in prompts)
+        length = round_up(longest + max_new_tokens, 64)
+        if length > self.max_length:
+            raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds the engine's "
+                             f"max_length {self.max_length}")
+        slots = batch_bucket(count) if self.use_graphs else count
+        self._ensure_buffers(slots, length, max_new_tokens, pad_id, [] if ignore_eos else eos_ids)
+        st = self.state
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        st.done.fill_(True)
+        st.done[:count] = False
+        st.step.zero_()
+        st.out_tokens.fill_(pad_id)
+        st.positions.zero_()
+        st.positions[:count] = lengths
+        st.tokens.fill_(pad_id)
+        # capture before prefill: the capture's warm-up steps scribble on what prefill then writes
+        capture_before = self.capture_s
+        run_step = self._runner(mode)
+        start = time.perf_counter()
+        # prefill in row chunks so activations stay bounded for long prompts
+        rows = max(1, self.prefill_tokens // max(longest, 1))
+        for first in range(0, count, rows):
+            chunk = prompts[first:first + rows]
+            width = max(len(p) for p in chunk)
+            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+            for i, p in enumerate(chunk):
+                ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+            logits = self.forward.prefill(ids.to(self.device), lengths[first:first + len(chunk)], self.cache, first)
+            tokens, logprobs = sample_tokens(logits, mode)
+            st.out_tokens[first:first + len(chunk), 0] = tokens
+            st.out_logprobs[first:first + len(chunk), 0] = logprobs
+            st.tokens[first:first + len(chunk)] = tokens
+        st.done[:count] |= torch.isin(st.tokens[:count], st.eos)
+        st.step.fill_(1)
+        self._sync()
+        timings = {"prefill_s": time.perf_counter() - start, "capture_s": self.capture_s - capture_before}
+
+        start = time.perf_counter()
+        stopped_at: dict[int, int] = {}
+        for step in range(1, max_new_tokens):
+            run_step()
+            if step % self.check_every == 0 or step == max_new_tokens - 1:
+                if stop_check is not None:
+                    self._apply_stop_strings(stop_check, count, step + 1, stopped_at)
+                if bool(st.done[:count].all()):
+                    break
+        self._sync()
+        timings["decode_s"] = time.perf_counter() - start
+        return self._collect(count, max_new_tokens, eos_ids, ignore_eos, stopped_at, timings)
+
+    def _apply_stop_strings(self, stop_check, count: int, produced: int, stopped_at: dict[int, int]) -> None:
+        done = self.state.done[:count].tolist()
+        rows = self.state.out_tokens[:count, :produced].tolist()
+        newly = []
+        for i, (is_done, row) in enumerate(zip(done, rows)):
+            if i in stopped_at or is_done:
+                continue
+            cut = stop_check(i, row)
+            if cut is not None:
+                stopped_at[i] = cut
+                newly.append(i)
+        if newly:
+            self.state.done[torch.tensor(newly, device=self.device)] = True
+
+    def _collect(self, count, max_new_tokens, eos_ids, ignore_eos, stopped_at, timings) -> Generation:
+        tokens = self.state.out_tokens[:count].tolist()
+        logprobs = self.state.out_logprobs[:count].tolist()
+        eos = set() if ignore_eos else set(eos_ids)
+        out = Generation([], [], [], timings)
+        for i, row in enumerate(tokens):
+            cut = next((j + 1 for j, t in enumerate(row) if t in eos), None)
+            if i in stopped_at and (cut is None or stopped_at[i] < cut):
+                cut = stopped_at[i]
+            stopped = cut is not None
+            cut = cut or max_new_tokens
+            out.tokens.append(row[:cut])
+            out.logprobs.append(logprobs[i][:cut])
+            out.stopped.append(stopped)
+        return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

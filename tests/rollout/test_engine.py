@@ -1,0 +1,144 @@
+"""The rollout engine against Hugging Face generate and the trainer's own logprobs."""
+
+import pytest
+import torch
+from transformers import (GPT2Config, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
+
+from rlscale.rollout import RolloutEngine, SamplingMode, StopStrings, unsupported_reason
+from rlscale.rollout.sampling import filter_logits, sample_tokens
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=97, max_position_embeddings=256, pad_token_id=0, eos_token_id=1)
+FAMILIES = {
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, tie_word_embeddings=True)),
+    "llama3-rope": lambda: LlamaForCausalLM(LlamaConfig(**SMALL, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=32)),
+}
+
+
+def make(family: str):
+    torch.manual_seed(0)
+    return FAMILIES[family]().eval()
+
+
+def ragged_prompts(seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 97, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7)]
+
+
+def hf_greedy(model, prompts, new_tokens: int) -> list[list[int]]:
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[:, width:].tolist()
+
+
+def recomputed_logprobs(model, prompt, response) -> torch.Tensor:
+    full = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(full).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_tokens_equal_hf_generate_and_logprobs_equal_the_trainers(family, attention):
+    model = make(family)
+    prompts = ragged_prompts()
+    engine = RolloutEngine(model, torch.device("cpu"), torch.float32, max_length=128, decode_attention=attention)
+    out = engine.generate(prompts, 24, SamplingMode(temperature=0.0), eos_ids=[1], pad_id=0, ignore_eos=True)
+    assert out.tokens == hf_greedy(model, prompts, 24)
+    assert out.stopped == [False] * len(prompts)
+    for prompt, tokens, logprobs in zip(prompts, out.tokens, out.logprobs):
+        torch.testing.assert_close(torch.tensor(logprobs), recomputed_logprobs(model, prompt, tokens),
+                                   atol=2e-5, rtol=0)
+
+
+def test_bf16_logprobs_stay_finite_and_close_to_the_forward_pass():
+    model = make("qwen2").to(torch.bfloat16)
+    prompts = ragged_prompts(4)
+    engine = RolloutEngine(model, torch.device("cpu"), torch.bfloat16, max_length=128)
+    out = engine.generate(prompts, 24, SamplingMode(temperature=1.0), [1], 0, ignore_eos=True)
+    for prompt, tokens, logprobs in zip(prompts, out.tokens, out.logprobs):
+        torch.testing.assert_close(torch.tensor(logprobs), recomputed_logprobs(model, prompt, tokens),
+                                   atol=0.05, rtol=0)  # finite, and within bf16 rounding
+
+
+def test_sync_weights_copies_updates_in_place():
+    model = make("qwen2")
+    prompts = ragged_prompts(2)
+    engine = RolloutEngine(model, torch.device("cpu"), torch.float32, max_length=128)
+    before = engine.generate(prompts, 16, SamplingMode(0.0), [1], 0, ignore_eos=True).tokens
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    assert engine.generate(prompts, 16, SamplingMode(0.0), [1], 0, ignore_eos=True).tokens == before  # stale
+    address = engine.weights.layers[0].qkv.data_ptr()
+    engine.sync_weights(model)
+    after = engine.generate(prompts, 16, SamplingMode(0.0), [1], 0, ignore_eos=True).tokens
+    assert after == hf_greedy(model, prompts, 16) and after != before
+    assert engine.weights.layers[0].qkv.data_ptr() == address  # captured graphs stay valid
+
+
+def test_sequences_end_at_eos_and_report_how_they_ended():
+    model = make("qwen2")
+    prompts = ragged_prompts(3)
+    engine = RolloutEngine(model, torch.device("cpu"), torch.float32, max_length=128)
+    free = engine.generate(prompts, 12, SamplingMode(0.0), [1], 0, ignore_eos=True).tokens
+    eos = free[0][4]  # pretend the 5th greedy token of sequence 0 is the end-of-sequence token
+    out = engine.generate(prompts, 12, SamplingMode(0.0), eos_ids=[eos], pad_id=0)
+    for row_free, row, stopped in zip(free, out.tokens, out.stopped):
+        cut = row_free.index(eos) + 1 if eos in row_free else len(row_free)
+        assert row == row_free[:cut] and stopped == (eos in row_free)
+    assert out.tokens[0][-1] == eos and len(out.tokens[0]) <= 5
+
+
+def test_stop_strings_cut_at_the_token_that_completes_the_string():
+    from rlscale.models import load_tokenizer
+
+    tok = load_tokenizer("builtin:tiny-arith")
+    tokens = tok.encode("12+7=19 done", add_special_tokens=False)
+    stop = StopStrings(tok, ["=1", "xyz"])
+    assert tok.decode(tokens[:stop(0, tokens)]) == "12+7=1"
+    assert StopStrings(tok, ["xyz"])(0, tokens) is None
+
+
+def test_filter_logits_keeps_top_k_and_the_top_p_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = lambda out: torch.isfinite(out)[0].tolist()  # noqa: E731
+    assert kept(filter_logits(logits, top_k=2, top_p=1.0)) == [True, True, False, False]
+    assert kept(filter_logits(logits, top_k=None, top_p=0.7)) == [True, True, False, False]
+    assert kept(filter_logits(logits, top_k=None, top_p=0.85)) == [True, True, True, False]
+    assert kept(filter_logits(logits, top_k=None, top_p=0.4)) == [True, False, False, False]
+
+
+def test_sampling_follows_the_tempered_distribution():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.log(probs).expand(20000, 4).contiguous()
+    tokens, logprobs = sample_tokens(logits, SamplingMode(temperature=1.0))
+    freq = torch.bincount(tokens, minlength=4).float() / len(tokens)
+    torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
+    torch.testing.assert_close(logprobs, torch.log(probs)[tokens])  # untempered, as the trainer computes
+    tokens, _ = sample_tokens(logits, SamplingMode(temperature=0.5))
+    sharp = probs ** 2 / (probs ** 2).sum()
+    torch.testing.assert_close(torch.bincount(tokens, minlength=4).float() / len(tokens), sharp, atol=0.015, rtol=0)
+
+
+def test_models_outside_the_supported_families_are_named():
+    assert "gpt2" in unsupported_reason(GPT2Config(n_layer=1, n_embd=32, n_head=2), 128)
+    windowed = Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=32)
+    assert "sliding-window" in unsupported_reason(windowed, 128)
+    assert unsupported_reason(Qwen2Config(**SMALL), 128) is None
+    with pytest.raises(ValueError, match="gpt2"):
+        from transformers import GPT2LMHeadModel
+        RolloutEngine(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)), torch.device("cpu"),
+                      torch.float32)
