@@ -97,10 +97,11 @@ def pack_batch(batch: TrainBatch, budget: int) -> list[PackedMicroBatch]:
         for i in group:
             docs.append(ids[i][:lengths[i]])
             cols = torch.nonzero(mask[i]).flatten()
-            # build_train_batch marks one contiguous response span; targets before it are prompt
+            # build_train_batch marks one span of response targets, from the prompt's end to the
+            # sample's end; targets before it are prompt
             starts.append(int(cols[0]) + 1 if len(cols) else lengths[i])
-            if len(cols) and int(cols[-1]) - int(cols[0]) + 1 != len(cols):
-                raise ValueError(f"sample {i}: response targets are not contiguous")
+            if len(cols) and not (int(cols[-1]) == lengths[i] - 2 and int(cols[-1]) - int(cols[0]) + 1 == len(cols)):
+                raise ValueError(f"sample {i}: response targets are not one span ending at the sample's end")
         packs.append(pack_documents(docs, starts, group))
     return packs
 

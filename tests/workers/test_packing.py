@@ -124,3 +124,10 @@ def test_activation_checkpointing_gives_the_same_gradients():
     assert len(calls) == 3  # the forward, then its recomputation in the backward
     for got, expected in zip(checkpointed, plain):
         torch.testing.assert_close(got, expected)
+
+
+def test_pack_batch_refuses_response_masks_it_cannot_represent():
+    batch = build_train_batch([[5, 6, 7]], [[9, 10, 11]], [1.0], pad_id=0, max_length=16)
+    batch.response_mask[0, 3] = 0  # a hole in the response
+    with pytest.raises(ValueError, match="one span"):
+        pack_batch(batch, 100)
