@@ -259,7 +259,8 @@ class DerivedSizes:
     optimizer_steps_per_grpo_step: int
     samples_per_worker_per_optimizer_step: int
     micro_batch_size: int
-    micro_batches_per_optimizer_step: int
+    micro_batches_per_optimizer_step: int  # when every sample is max_total_sequence_length long
+    micro_batch_tokens: int  # token budget of a packed micro-batch
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -304,7 +305,14 @@ def derive_sizes(cfg: Config) -> DerivedSizes:
         samples_per_worker_per_optimizer_step=per_worker,
         micro_batch_size=mbs,
         micro_batches_per_optimizer_step=per_worker // mbs,
+        micro_batch_tokens=token_budget(cfg.policy, mbs),
     )
+
+
+def token_budget(policy: PolicyConfig, micro_batch_size: int) -> int:
+    """Tokens per packed micro-batch: policy.train_micro_batch_tokens, else micro-batch samples ×
+    the longest sample (the memory a padded micro-batch took)."""
+    return policy.train_micro_batch_tokens or micro_batch_size * policy.max_total_sequence_length
 
 
 # ---------------------------------------------------------------- loading and overrides

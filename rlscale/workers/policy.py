@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlscale.config import Config
+from rlscale.config import Config, token_budget
 from rlscale.grpo.loss import grpo_token_loss, linear_logprobs
 from rlscale.models import PromptRenderer, load_model, load_tokenizer, pick_device, pick_dtype
 from rlscale.models.packed_attention import packed_kwargs, use_packed_attention
@@ -176,12 +176,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
     # ------------------------------------------------------------------ training
 
     def _token_budget(self, micro_batch_size: int | None) -> int:
-        """Tokens per packed micro-batch: policy.train_micro_batch_tokens, else the sample count
-        the controller passes × the longest sequence (the memory the padded batches took)."""
         policy = self.cfg.policy
-        if policy.train_micro_batch_tokens:
-            return policy.train_micro_batch_tokens
-        return (micro_batch_size or policy.train_micro_batch_size or 1) * policy.max_total_sequence_length
+        return token_budget(policy, micro_batch_size or policy.train_micro_batch_size or 1)
 
     def _logprobs(self, model, mb: PackedMicroBatch, with_entropy: bool = False):
         policy = self.cfg.policy
