@@ -308,6 +308,52 @@ def bench_step(
     typer.echo(format_table(run_benchmark(model, steps, json_file, only, trl_set or [], echo=typer.echo)))
 
 
+def _parse_batch(text: str) -> tuple[int, int]:
+    samples, sep, seq_len = text.lower().partition("x")
+    if not sep or not samples.isdigit() or not seq_len.isdigit() or int(samples) < 1 or int(seq_len) < 4:
+        raise UserError(f"--batch {text!r}: expected SAMPLESxSEQ_LEN, e.g. 16x320")
+    return int(samples), int(seq_len)
+
+
+@bench_app.command("train")
+def bench_train(
+    model: list[str] = typer.Option(["qwen2-0.5b"], "--model", help="qwen2-0.5b, qwen2-1.5b, qwen2-7b (random "
+                                    "weights), tiny (a CPU smoke run); repeatable"),
+    variant: Optional[list[str]] = typer.Option(
+        None, "--variant", help="hf_sdpa, hf_eager, rlscale, rlscale_ac, rlscale_compile (repeatable); "
+        "default: hf_sdpa, rlscale, rlscale_compile"),
+    batch: list[str] = typer.Option(["16x320", "128x320"], "--batch", help="SAMPLESxSEQ_LEN (repeatable)"),
+    prompt_len: int = typer.Option(64, "--prompt-len", min=1, help="prompt tokens per sample; the rest is response"),
+    ragged: bool = typer.Option(False, "--ragged", help="response lengths drawn from 1/4..1 of the room"),
+    micro_tokens: int = typer.Option(16384, "--micro-tokens", min=8, help="rlscale's policy.train_micro_batch_tokens"),
+    hf_micro: int = typer.Option(16, "--hf-micro-batch", min=1, help="samples per padded HF micro-batch"),
+    warmup: int = typer.Option(2, "--warmup", min=1, help="untimed updates first (the first one compiles)"),
+    reps: int = typer.Option(5, "--reps", min=1, help="timed updates; the median is reported"),
+    device: str = typer.Option("auto", "--device", help="auto, cuda or cpu"),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="write the results here (after every variant)"),
+) -> None:
+    """tokens/s and MFU of one policy update: rlscale's packed path against padded Hugging Face."""
+    from rlscale.bench.scale import QWEN2_SHAPES
+    from rlscale.bench.train import DEFAULT_VARIANTS, VARIANTS, format_table, run_benchmark
+
+    for name in model:
+        if name not in QWEN2_SHAPES:
+            raise UserError(f"--model {name!r}: choose from {', '.join(QWEN2_SHAPES)}")
+    variants = variant or list(DEFAULT_VARIANTS)
+    for name in variants:
+        if name not in VARIANTS:
+            raise UserError(f"--variant {name!r}: choose from {', '.join(VARIANTS)}")
+    batches = [_parse_batch(b) for b in batch]
+    for samples, seq_len in batches:
+        if prompt_len >= seq_len:
+            raise UserError(f"--prompt-len {prompt_len} leaves no response in --batch {samples}x{seq_len}")
+        if micro_tokens < seq_len:
+            raise UserError(f"--micro-tokens {micro_tokens} cannot hold one {seq_len}-token sample")
+    out = run_benchmark(model, variants, batches, prompt_len, micro_tokens, hf_micro, warmup, reps, ragged, device,
+                        json_file, echo=typer.echo)
+    typer.echo(format_table(out))
+
+
 def main() -> None:
     import click
 

@@ -75,7 +75,23 @@ class PolicyConfig(_Section):
     trust_remote_code: bool = Field(False, description="allow model code from the hub")
     train_global_batch_size: int = Field(128, ge=1, description="samples per optimizer step")
     train_micro_batch_size: int | None = Field(
-        None, ge=1, description="samples per forward/backward per worker; null = largest divisor of the per-worker batch ≤ 32")
+        None, ge=1, description="samples per micro-batch per worker, setting its token budget (× "
+        "max_total_sequence_length) when train_micro_batch_tokens is null; null = largest divisor of the "
+        "per-worker batch ≤ 32")
+    train_micro_batch_tokens: int | None = Field(
+        None, ge=8, description="tokens per packed forward/backward per worker: whole samples are concatenated "
+        "into one row (no padding); null = micro-batch samples × max_total_sequence_length")
+    logprob_chunk_tokens: int = Field(
+        2048, ge=1, description="tokens per chunk of the LM head and log-softmax (full-vocabulary logits exist "
+        "for one chunk at a time)")
+    attention_backend: Literal["auto", "varlen", "sdpa"] = Field(
+        "auto", description="attention over packed rows: varlen (FlashAttention by sequence lengths, CUDA), "
+        "sdpa (one call per sample), auto = varlen where available")
+    activation_checkpointing: bool = Field(
+        False, description="recompute each layer's activations in the backward: less memory, ~1/3 more compute")
+    compile: bool = Field(
+        False, description="torch.compile each decoder layer (fuses norms, rotary, activations; the first "
+        "steps pay the compile time)")
     max_total_sequence_length: int = Field(256, ge=8, description="prompt + response tokens")
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="gradient clipping; null disables")
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
@@ -297,7 +313,8 @@ class DerivedSizes:
     optimizer_steps_per_grpo_step: int
     samples_per_worker_per_optimizer_step: int
     micro_batch_size: int
-    micro_batches_per_optimizer_step: int
+    micro_batches_per_optimizer_step: int  # when every sample is max_total_sequence_length long
+    micro_batch_tokens: int  # token budget of a packed micro-batch
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -328,6 +345,11 @@ def derive_sizes(cfg: Config) -> DerivedSizes:
         raise ValueError(
             f"policy.generation.max_new_tokens={cfg.policy.generation.max_new_tokens} leaves no room "
             f"for the prompt in policy.max_total_sequence_length={cfg.policy.max_total_sequence_length}")
+    tokens = cfg.policy.train_micro_batch_tokens
+    if tokens is not None and tokens < cfg.policy.max_total_sequence_length:
+        raise ValueError(
+            f"policy.train_micro_batch_tokens={tokens} must hold the longest sample, "
+            f"policy.max_total_sequence_length={cfg.policy.max_total_sequence_length}")
     if cfg.checkpointing.metric_name is not None and cfg.checkpointing.keep_top_k is None:
         raise ValueError("checkpointing.metric_name needs checkpointing.keep_top_k to rank by")
     return DerivedSizes(
@@ -337,7 +359,14 @@ def derive_sizes(cfg: Config) -> DerivedSizes:
         samples_per_worker_per_optimizer_step=per_worker,
         micro_batch_size=mbs,
         micro_batches_per_optimizer_step=per_worker // mbs,
+        micro_batch_tokens=token_budget(cfg.policy, mbs),
     )
+
+
+def token_budget(policy: PolicyConfig, micro_batch_size: int) -> int:
+    """Tokens per packed micro-batch: policy.train_micro_batch_tokens, else micro-batch samples ×
+    the longest sample (the memory a padded micro-batch took)."""
+    return policy.train_micro_batch_tokens or micro_batch_size * policy.max_total_sequence_length
 
 
 # ---------------------------------------------------------------- loading and overrides

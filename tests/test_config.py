@@ -130,6 +130,7 @@ def test_derived_sizes_of_the_seed_job():
     assert sizes.as_dict() == {
         "world_size": 64, "samples_per_step": 256, "optimizer_steps_per_grpo_step": 1,
         "samples_per_worker_per_optimizer_step": 4, "micro_batch_size": 4, "micro_batches_per_optimizer_step": 1,
+        "micro_batch_tokens": 4 * 256,
     }
 
 
@@ -138,7 +139,10 @@ def test_derived_sizes_with_two_optimizer_steps():
     assert derive_sizes(cfg).as_dict() == {
         "world_size": 1, "samples_per_step": 256, "optimizer_steps_per_grpo_step": 2,
         "samples_per_worker_per_optimizer_step": 128, "micro_batch_size": 32, "micro_batches_per_optimizer_step": 4,
+        "micro_batch_tokens": 32 * 256,
     }
+    assert derive_sizes(load_config(None, TWO_STEPS + ["policy.train_micro_batch_tokens=4096"])).micro_batch_tokens \
+        == 4096
 
 
 @pytest.mark.parametrize("per_worker, micro", [(1, 1), (4, 4), (7, 7), (32, 32), (48, 24), (64, 32), (96, 32),
@@ -168,6 +172,8 @@ def test_explicit_micro_batch_is_kept_and_checked():
      r"policy.generation.max_new_tokens=256 leaves no room"),
     (["checkpointing.metric_name=val/accuracy", "checkpointing.keep_top_k=null"],
      r"checkpointing.metric_name needs checkpointing.keep_top_k"),
+    (["policy.max_total_sequence_length=512", "policy.train_micro_batch_tokens=500"],
+     r"policy.train_micro_batch_tokens=500 must hold the longest sample, policy.max_total_sequence_length=512"),
 ])
 def test_impossible_combinations(overrides, match):
     with pytest.raises(UserError, match=match):

@@ -72,3 +72,94 @@ def token_logprobs_and_entropy(
     logprobs = torch.cat(pieces_lp).view(batch, steps)
     entropy = torch.cat(pieces_ent).view(batch, steps) if with_entropy else None
     return logprobs, entropy
+
+
+def _chunk_forward(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, acc: torch.dtype):
+    """Target logprob, log-partition and (optionally) entropy of rows of logits, in `acc` precision."""
+    z = logits.to(acc)
+    logz = torch.logsumexp(z, dim=-1)
+    logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - logz
+    entropy = logz - (torch.exp(z - logz[:, None]) * z).sum(-1) if with_entropy else None
+    return logprobs, logz, entropy
+
+
+def _chunk_grad(logits: torch.Tensor, logz: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """d(sum grad · logprob[target]) / d logits = grad · (onehot(target) - softmax(logits))."""
+    grad_logits = torch.exp(logits.to(logz.dtype) - logz[:, None]) * -grad[:, None]
+    return grad_logits.scatter_add(-1, targets[:, None], grad[:, None]).to(out_dtype)
+
+
+_COMPILED: dict = {}
+
+
+def _kernels(compiled: bool):
+    """The chunk functions, or (once per process) their torch.compile'd versions: fused, they
+    read each chunk's logits once or twice instead of once per elementwise step."""
+    if not compiled:
+        return _chunk_forward, _chunk_grad
+    if not _COMPILED:
+        _COMPILED["forward"] = torch.compile(_chunk_forward, dynamic=True)
+        _COMPILED["grad"] = torch.compile(_chunk_grad, dynamic=True)
+    return _COMPILED["forward"], _COMPILED["grad"]
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """log_softmax(hidden @ weight.T)[target] in chunks of rows; see `linear_logprobs`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, with_entropy, compiled):
+        chunk_forward, _ = _kernels(compiled)
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for float64 inputs
+        logprobs = hidden.new_empty(hidden.shape[0], dtype=acc)
+        entropy = hidden.new_empty(hidden.shape[0], dtype=acc) if with_entropy else None
+        logz = hidden.new_empty(hidden.shape[0], dtype=acc)
+        for start in range(0, hidden.shape[0], chunk):
+            stop = start + chunk
+            lp, lz, ent = chunk_forward(hidden[start:stop] @ weight.T, targets[start:stop], with_entropy, acc)
+            logprobs[start:stop], logz[start:stop] = lp, lz
+            if with_entropy:
+                entropy[start:stop] = ent
+        ctx.save_for_backward(hidden, weight, targets, logz)
+        ctx.chunk, ctx.compiled = chunk, compiled
+        if with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        hidden, weight, targets, logz = ctx.saved_tensors
+        _, chunk_grad = _kernels(ctx.compiled)
+        grad_logprobs = grad_logprobs.to(logz.dtype)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        # a [V, d] float32 accumulator: summing per-chunk bf16 products would round each time
+        grad_weight = torch.zeros(weight.shape, dtype=logz.dtype, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            stop = start + ctx.chunk
+            rows = hidden[start:stop]
+            grad_logits = chunk_grad(rows @ weight.T, logz[start:stop], grad_logprobs[start:stop],
+                                     targets[start:stop], hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:stop] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight.add_(grad_logits.T @ rows)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def linear_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False,
+    chunk: int = 2048, compiled: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of each target under softmax(hidden @ weight.T), never holding more than
+    `chunk` rows of full-vocabulary logits.
+
+    hidden: [N, d] (the final hidden states at the positions to score); weight: [V, d] (the LM
+    head); targets: [N] long. Returns float32 (float64 for float64 inputs) logprobs [N] and,
+    when asked, the entropy [N] (reported only: no gradient flows through it). The backward
+    recomputes each chunk's logits instead of keeping them, so the head's memory is O(N·d) plus
+    one chunk, not O(N·V). compiled: fuse the per-chunk softmax arithmetic with torch.compile.
+    """
+    return _LinearLogprobs.apply(hidden, weight, targets, chunk, with_entropy, compiled)

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from rlscale.config import Config
-from rlscale.grpo.loss import grpo_token_loss, token_logprobs_and_entropy
+from rlscale.config import Config, token_budget
+from rlscale.grpo.loss import grpo_token_loss, linear_logprobs
 from rlscale.models import PromptRenderer, load_model, load_tokenizer, pick_device, pick_dtype
+from rlscale.models.packed_attention import packed_kwargs, use_packed_attention
 from rlscale.workers.batch import Rollouts, TrainBatch
 from rlscale.rollout import RolloutEngine, SamplingMode, StopStrings, round_up, unsupported_reason
+from rlscale.workers.packing import PackedMicroBatch, filler_pack, pack_batch
 from rlscale.workers import distributed, state_io
 
 
@@ -62,6 +64,12 @@ class PolicyWorker(state_io.CheckpointableWorker):
             max_prompt_tokens=policy.max_total_sequence_length - policy.generation.max_new_tokens)
         self.model = load_model(policy.model_name, self.dtype, self.device, policy.trust_remote_code)
         self.model.config.use_cache = False
+        use_packed_attention(self.model, policy.attention_backend)
+        # activation checkpointing, then compile, then FSDP2 (sharding below), as torchtitan orders them
+        if policy.activation_checkpointing:
+            enable_activation_checkpointing(self.model)
+        if policy.compile:
+            compile_layers(self.model)
         self._rollout: RolloutEngine | None = None
         self._rollout_unsupported = False
         self.last_generation_timings: dict[str, float] = {}
@@ -69,13 +77,17 @@ class PolicyWorker(state_io.CheckpointableWorker):
         if cfg.loss.reference_policy_kl_penalty > 0:
             self.reference = load_model(policy.model_name, self.dtype, self.device, policy.trust_remote_code)
             self.reference.eval().requires_grad_(False)
+            use_packed_attention(self.reference, policy.attention_backend)
+            if policy.compile:
+                compile_layers(self.reference)
         if self.sharded:
             for model in (self.model, self.reference):
                 if model is not None:
                     distributed.shard_model(model)
         opt = policy.optimizer
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+            fused=self.device.type == "cuda" or None)  # one kernel for all parameters on GPU
         warmup = policy.scheduler.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: warmup_factor(s, warmup))
 
@@ -163,24 +175,30 @@ class PolicyWorker(state_io.CheckpointableWorker):
 
     # ------------------------------------------------------------------ training
 
-    def _forward_logprobs(self, model, batch: TrainBatch, with_entropy: bool = False):
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        return token_logprobs_and_entropy(logits[:, :-1], batch.input_ids[:, 1:], with_entropy)
+    def _token_budget(self, micro_batch_size: int | None) -> int:
+        policy = self.cfg.policy
+        return token_budget(policy, micro_batch_size or policy.train_micro_batch_size or 1)
+
+    def _logprobs(self, model, mb: PackedMicroBatch, with_entropy: bool = False):
+        policy = self.cfg.policy
+        return packed_logprobs(model, mb, with_entropy, policy.logprob_chunk_tokens, policy.compile)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False,
                          micro_batch_size: int | None = None) -> torch.Tensor:
+        """Logprobs of the response targets, [B, L-1] like batch.response_mask (0 elsewhere)."""
         model = self.reference if reference else self.model
         model.eval()
-        micro = micro_batch_size or self.cfg.policy.train_micro_batch_size or len(batch)
-        pieces = []
+        rows, cols, pieces = [], [], []
         with distributed.gathered(model, self.sharded):
-            for start in range(0, len(batch), micro):
-                part = batch.slice(start, start + micro).to(self.device)
-                logprobs, _ = self._forward_logprobs(model, part)
-                width = batch.response_mask.shape[1]
-                pieces.append(torch.nn.functional.pad(logprobs.cpu(), (0, width - logprobs.shape[1])))
-        return torch.cat(pieces)
+            for mb in pack_batch(batch, self._token_budget(micro_batch_size)):
+                pieces.append(self._logprobs(model, mb.to(self.device))[0])
+                rows.append(mb.rows)
+                cols.append(mb.cols)
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        if pieces:  # one copy back at the end: no stall between the micro-batches' forwards
+            out[torch.cat(rows), torch.cat(cols)] = torch.cat(pieces).float().cpu()
+        return out
 
     def train(self, steps: list[TrainBatch], global_tokens: list[float], global_samples: int,
               micro_batch_size: int) -> dict[str, float]:
@@ -189,6 +207,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
         global_tokens[i]: response tokens in optimizer step i summed over all workers, so that the
         loss is a token-level mean over the global batch whatever the sharding; global_samples:
         sequences per optimizer step over all workers (for the per-sequence mean).
+        micro_batch_size: samples per micro-batch, used for the token budget when
+        policy.train_micro_batch_tokens is not set.
         """
         multi_step = len(steps) > 1
         # pi_old must be the policy that sampled: recompute it before the first update when
@@ -197,53 +217,125 @@ class PolicyWorker(state_io.CheckpointableWorker):
         ref = [self.compute_logprobs(b, reference=True, micro_batch_size=micro_batch_size)
                if self.reference is not None else None for b in steps]
         totals: dict[str, float] = {}
+        budget = self._token_budget(micro_batch_size)
         for i, batch in enumerate(steps):
-            stats = self._optimizer_step(batch, old[i], ref[i], global_tokens[i], global_samples, micro_batch_size)
+            stats = self._optimizer_step(batch, old[i], ref[i], global_tokens[i], global_samples, budget)
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value / len(steps)
         return totals
 
-    def _optimizer_step(self, batch, old_all, ref_all, global_tokens, global_samples, micro) -> dict[str, float]:
+    def _micro_batches(self, batch: TrainBatch, budget: int) -> list[PackedMicroBatch]:
+        packs = pack_batch(batch, budget)
+        if self.sharded:
+            # every FSDP forward/backward is a collective: all workers run as many micro-batches
+            count = distributed.max_over_workers(len(packs), self.device)
+            packs += [filler_pack(self.tokenizer.pad_token_id)] * (count - len(packs))
+        return packs
+
+    def _optimizer_step(self, batch, old_all, ref_all, global_tokens, global_samples, budget) -> dict[str, float]:
         loss_cfg = self.cfg.loss
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0}
+        # summed on the device: reading each micro-batch's numbers back would stall the GPU queue
+        sums = {key: torch.zeros((), device=self.device) for key in ("loss", "kl", "clip_fraction", "entropy")}
         # Every worker divides by the same global count; gradients are averaged over workers,
         # hence the world size.
         norm = max(global_tokens, 1.0) / self.world_size
         seq_norm = global_samples / self.world_size
-        for start in range(0, len(batch), micro):
-            part = batch.slice(start, start + micro).to(self.device)
-            width = part.response_mask.shape[1]
-            logprobs, entropy = self._forward_logprobs(self.model, part, with_entropy=True)
-            old = logprobs.detach() if old_all is None else old_all[start:start + micro, :width].to(self.device)
-            ref = None if ref_all is None else ref_all[start:start + micro, :width].to(self.device)
+        response_lengths = batch.response_mask.sum(1).clamp_min(1)
+        for mb in self._micro_batches(batch, budget):
+            logprobs, entropy = self._logprobs(self.model, mb.to(self.device), with_entropy=True)
+            rows, cols = mb.rows, mb.cols
+            old = logprobs.detach() if old_all is None else old_all[rows, cols].to(self.device)
+            ref = None if ref_all is None else ref_all[rows, cols].to(self.device)
             terms = grpo_token_loss(
-                logprobs, old, part.advantages, ref, loss_cfg.ratio_clip_min, loss_cfg.ratio_clip_max,
+                logprobs[None], old[None], batch.advantages[rows][None].to(self.device),
+                None if ref is None else ref[None], loss_cfg.ratio_clip_min, loss_cfg.ratio_clip_max,
                 loss_cfg.reference_policy_kl_penalty)
-            mask = part.response_mask
-            if loss_cfg.token_level_loss:
-                weights = mask / norm
+            if loss_cfg.token_level_loss:  # every response token of the global batch weighs 1/tokens
+                weights = torch.full_like(logprobs, 1.0 / norm)
             else:  # mean per sequence, then over the global batch's sequences
-                weights = mask / mask.sum(1, keepdim=True).clamp_min(1) / seq_norm
-            (terms.loss * weights).sum().backward()
+                weights = (1.0 / (response_lengths[rows] * seq_norm)).to(self.device)
+            (terms.loss[0] * weights).sum().backward()
             with torch.no_grad():
-                for key, per_token in (("loss", terms.loss), ("kl", terms.kl), ("clip_fraction", terms.clipped),
-                                       ("entropy", entropy)):
-                    sums[key] += float((per_token * mask).sum() / norm)
+                for key, per_token in (("loss", terms.loss[0]), ("kl", terms.kl[0]),
+                                       ("clip_fraction", terms.clipped[0]), ("entropy", entropy)):
+                    sums[key] += per_token.sum() / norm
         max_norm = self.cfg.policy.max_grad_norm or math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
-        sums.update(grad_norm=distributed.as_float(grad_norm), lr=lr)
-        return sums
+        stats = {key: float(value) for key, value in sums.items()}
+        stats.update(grad_norm=distributed.as_float(grad_norm), lr=lr)
+        return stats
 
     # ------------------------------------------------------------------ state
 
     @property
     def ckpt_settings(self):
         return self.cfg.checkpointing
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in the backward (non-reentrant checkpoints)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def compile_layers(model) -> None:
+    """torch.compile every decoder layer in place (hooks, checkpointing and FSDP2 keep working);
+    shapes vary with each packed row, so they are compiled dynamic."""
+    for layer in model.get_decoder().layers:
+        layer.compile(dynamic=True)
+
+
+_REQUEST = "_rlscale_logprob_request"
+
+
+def _install_logprob_head(head) -> None:
+    """Let the LM head return chunked logprobs instead of logits when a request is pending.
+
+    The head runs inside the model's own forward, so FSDP2 has its weight gathered there and
+    treats the result as the forward's output; parameter names and tying are untouched.
+    """
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("packed logprobs assume an LM head without bias")
+    linear_forward = type(head).forward
+
+    def forward(hidden):
+        request = getattr(head, _REQUEST, None)
+        if request is None:
+            return linear_forward(head, hidden)
+        targets, with_entropy, chunk, compiled = request
+        logprobs, entropy = linear_logprobs(hidden[0], head.weight, targets, with_entropy, chunk, compiled)
+        entropy = entropy if with_entropy else torch.zeros_like(logprobs)
+        return torch.stack([logprobs[None], entropy[None]], -1)  # [1, R, 2], a fresh tensor (no view)
+
+    head.forward = forward
+    setattr(head, _REQUEST, None)
+
+
+def packed_logprobs(model, mb: PackedMicroBatch, with_entropy: bool = False, chunk: int = 2048,
+                    compiled: bool = False):
+    """Logprobs [R] (and entropy, reported only) of the response tokens of one packed micro-batch.
+
+    `logits_to_keep` hands the head only the response positions; the head computes their
+    log-softmax `chunk` rows at a time (rlscale.grpo.loss.linear_logprobs).
+    """
+    head = model.get_output_embeddings()
+    if not hasattr(head, _REQUEST):
+        _install_logprob_head(head)
+    setattr(head, _REQUEST, (mb.targets, with_entropy, chunk, compiled))
+    try:
+        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
+                    logits_to_keep=mb.logit_index, **packed_kwargs(mb.cu_seqlens, mb.max_seqlen)).logits[0]
+    finally:
+        setattr(head, _REQUEST, None)
+    return out[:, 0], out[:, 1] if with_entropy else None
 
 
 def _response_length(row: list[int], eos_id: int, pad_id: int) -> int:

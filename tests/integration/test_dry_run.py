@@ -34,7 +34,7 @@ def test_dry_run_of_the_seed_job_line(tmp_path):
     sizes = dict(line.strip("# ").split(": ") for line in derived.strip().splitlines())
     assert sizes == {"world_size": "64", "samples_per_step": "256", "optimizer_steps_per_grpo_step": "1",
                      "samples_per_worker_per_optimizer_step": "4", "micro_batch_size": "4",
-                     "micro_batches_per_optimizer_step": "1"}
+                     "micro_batches_per_optimizer_step": "1", "micro_batch_tokens": "1024"}
     # nothing was created: no run directory, no checkpoint directory, no model or data fetched
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert elapsed < 30  # no model or dataset load (those take minutes for a 72B model)

@@ -1,0 +1,112 @@
+"""Sequence packing: whole samples concatenated into one row per micro-batch, no padding.
+
+A micro-batch is one row of at most `budget` tokens holding several documents (prompt +
+response each). Positions restart at 0 for every document and `cu_seqlens` marks the document
+boundaries, so attention never crosses documents (see rlscale.models.packed_attention). Only
+response targets need a log-probability: `logit_index` lists the packed positions whose next
+token is a response token, `rows`/`cols` where that token sits in the batch's [B, L-1] layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from rlscale.workers.batch import TrainBatch
+
+
+def plan_packs(lengths: list[int], budget: int) -> list[list[int]]:
+    """First-fit decreasing: indices of `lengths` grouped so that each group sums to ≤ budget.
+
+    Deterministic (ties keep index order); documents keep their index order inside a group.
+    A document longer than the budget gets a group of its own.
+    """
+    if budget < 1:
+        raise ValueError(f"token budget must be positive, got {budget}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for g, free in enumerate(room):
+            if lengths[i] <= free:
+                groups[g].append(i)
+                room[g] -= lengths[i]
+                break
+        else:
+            groups.append([i])
+            room.append(budget - lengths[i])
+    return [sorted(g) for g in groups]
+
+
+@dataclass
+class PackedMicroBatch:
+    input_ids: torch.Tensor  # [1, T] long, documents back to back
+    position_ids: torch.Tensor  # [1, T] long, restarting at 0 per document
+    cu_seqlens: torch.Tensor  # [D + 1] int32, document boundaries (0, ..., T)
+    max_seqlen: int  # longest document
+    logit_index: torch.Tensor  # [R] long, packed positions predicting a response token
+    targets: torch.Tensor  # [R] long, the response tokens predicted there
+    rows: torch.Tensor  # [R] long, batch row of each predicted token
+    cols: torch.Tensor  # [R] long, its column in the batch's [B, L-1] response layout
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    def to(self, device: torch.device) -> PackedMicroBatch:
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device, non_blocking=True)
+        return PackedMicroBatch(**moved)
+
+
+def pack_documents(docs: list[list[int]], response_starts: list[int], rows: list[int]) -> PackedMicroBatch:
+    """One packed row from token lists; targets from index response_starts[d] on are trained on.
+
+    rows[d] is the batch row of document d (reported back in `rows`).
+    """
+    lengths = torch.tensor([len(doc) for doc in docs], dtype=torch.long)
+    bounds = torch.zeros(len(docs) + 1, dtype=torch.long)
+    torch.cumsum(lengths, 0, out=bounds[1:])
+    ids = torch.tensor([token for doc in docs for token in doc], dtype=torch.long)
+    positions = torch.arange(len(ids)) - torch.repeat_interleave(bounds[:-1], lengths)
+    # target column t predicts token t + 1; response targets are columns start-1 .. len-2
+    first = [max(start - 1, 0) for start in response_starts]
+    cols = torch.cat([torch.arange(f, len(doc) - 1) for f, doc in zip(first, docs)]) if docs else torch.zeros(0)
+    counts = torch.tensor([max(len(doc) - 1 - f, 0) for f, doc in zip(first, docs)], dtype=torch.long)
+    logit_index = cols + torch.repeat_interleave(bounds[:-1], counts)
+    return PackedMicroBatch(
+        input_ids=ids[None], position_ids=positions[None], cu_seqlens=bounds.to(torch.int32),
+        max_seqlen=int(lengths.max()) if docs else 0, logit_index=logit_index, targets=ids[logit_index + 1],
+        rows=torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), counts), cols=cols.long())
+
+
+def pack_batch(batch: TrainBatch, budget: int) -> list[PackedMicroBatch]:
+    """Cut a padded TrainBatch into packed micro-batches of at most `budget` tokens each.
+
+    Response targets are read from batch.response_mask (any 1 marks a trained target).
+    """
+    lengths = batch.attention_mask.sum(1).tolist()
+    ids = batch.input_ids.tolist()
+    mask = batch.response_mask
+    packs = []
+    for group in plan_packs(lengths, budget):
+        docs, starts = [], []
+        for i in group:
+            docs.append(ids[i][:lengths[i]])
+            cols = torch.nonzero(mask[i]).flatten()
+            # build_train_batch marks one span of response targets, from the prompt's end to the
+            # sample's end; targets before it are prompt
+            starts.append(int(cols[0]) + 1 if len(cols) else lengths[i])
+            if len(cols) and not (int(cols[-1]) == lengths[i] - 2 and int(cols[-1]) - int(cols[0]) + 1 == len(cols)):
+                raise ValueError(f"sample {i}: response targets are not one span ending at the sample's end")
+        packs.append(pack_documents(docs, starts, group))
+    return packs
+
+
+def filler_pack(pad_id: int) -> PackedMicroBatch:
+    """A two-token micro-batch with nothing to train on: keeps sharded workers in lockstep
+    (every FSDP forward/backward is a collective) when one has fewer micro-batches."""
+    return pack_documents([[pad_id, pad_id]], [2], [0])
