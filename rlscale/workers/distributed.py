@@ -107,3 +107,27 @@ def gathered(model, enabled: bool = True):
         for module in modules:
             module.reshard()
             module.set_reshard_after_forward(True, recurse=False)
+
+
+@contextmanager
+def accumulating(model, enabled: bool = True):
+    """One optimizer step's micro-batches under FSDP2: parameters stay gathered from the first
+    forward to the last backward and gradients are reduce-scattered once, at the last micro-batch
+    (see `last_micro_batch`), instead of one all-gather and one reduce-scatter per micro-batch.
+    Costs the unsharded parameters and gradients in memory for the step's duration."""
+    if not enabled:
+        yield
+        return
+    model.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        model.set_reshard_after_forward(True)
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+
+
+def last_micro_batch(model, is_last: bool, enabled: bool = True) -> None:
+    if enabled:
+        model.set_requires_gradient_sync(is_last)
+        model.set_reshard_after_backward(is_last)

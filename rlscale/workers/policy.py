@@ -233,7 +233,6 @@ class PolicyWorker(state_io.CheckpointableWorker):
         return packs
 
     def _optimizer_step(self, batch, old_all, ref_all, global_tokens, global_samples, budget) -> dict[str, float]:
-        loss_cfg = self.cfg.loss
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         # summed on the device: reading each micro-batch's numbers back would stall the GPU queue
@@ -243,24 +242,11 @@ class PolicyWorker(state_io.CheckpointableWorker):
         norm = max(global_tokens, 1.0) / self.world_size
         seq_norm = global_samples / self.world_size
         response_lengths = batch.response_mask.sum(1).clamp_min(1)
-        for mb in self._micro_batches(batch, budget):
-            logprobs, entropy = self._logprobs(self.model, mb.to(self.device), with_entropy=True)
-            rows, cols = mb.rows, mb.cols
-            old = logprobs.detach() if old_all is None else old_all[rows, cols].to(self.device)
-            ref = None if ref_all is None else ref_all[rows, cols].to(self.device)
-            terms = grpo_token_loss(
-                logprobs[None], old[None], batch.advantages[rows][None].to(self.device),
-                None if ref is None else ref[None], loss_cfg.ratio_clip_min, loss_cfg.ratio_clip_max,
-                loss_cfg.reference_policy_kl_penalty)
-            if loss_cfg.token_level_loss:  # every response token of the global batch weighs 1/tokens
-                weights = torch.full_like(logprobs, 1.0 / norm)
-            else:  # mean per sequence, then over the global batch's sequences
-                weights = (1.0 / (response_lengths[rows] * seq_norm)).to(self.device)
-            (terms.loss[0] * weights).sum().backward()
-            with torch.no_grad():
-                for key, per_token in (("loss", terms.loss[0]), ("kl", terms.kl[0]),
-                                       ("clip_fraction", terms.clipped[0]), ("entropy", entropy)):
-                    sums[key] += per_token.sum() / norm
+        micro_batches = self._micro_batches(batch, budget)
+        with distributed.accumulating(self.model, self.sharded):
+            for i, mb in enumerate(micro_batches):
+                distributed.last_micro_batch(self.model, i == len(micro_batches) - 1, self.sharded)
+                self._accumulate(mb, batch, old_all, ref_all, norm, seq_norm, response_lengths, sums)
         max_norm = self.cfg.policy.max_grad_norm or math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -269,6 +255,27 @@ class PolicyWorker(state_io.CheckpointableWorker):
         stats = {key: float(value) for key, value in sums.items()}
         stats.update(grad_norm=distributed.as_float(grad_norm), lr=lr)
         return stats
+
+    def _accumulate(self, mb, batch, old_all, ref_all, norm, seq_norm, response_lengths, sums) -> None:
+        """Forward and backward of one packed micro-batch; gradients add up in the parameters."""
+        loss_cfg = self.cfg.loss
+        logprobs, entropy = self._logprobs(self.model, mb.to(self.device), with_entropy=True)
+        rows, cols = mb.rows, mb.cols
+        old = logprobs.detach() if old_all is None else old_all[rows, cols].to(self.device)
+        ref = None if ref_all is None else ref_all[rows, cols].to(self.device)
+        terms = grpo_token_loss(
+            logprobs[None], old[None], batch.advantages[rows][None].to(self.device),
+            None if ref is None else ref[None], loss_cfg.ratio_clip_min, loss_cfg.ratio_clip_max,
+            loss_cfg.reference_policy_kl_penalty)
+        if loss_cfg.token_level_loss:  # every response token of the global batch weighs 1/tokens
+            weights = torch.full_like(logprobs, 1.0 / norm)
+        else:  # mean per sequence, then over the global batch's sequences
+            weights = (1.0 / (response_lengths[rows] * seq_norm)).to(self.device)
+        (terms.loss[0] * weights).sum().backward()
+        with torch.no_grad():
+            for key, per_token in (("loss", terms.loss[0]), ("kl", terms.kl[0]),
+                                   ("clip_fraction", terms.clipped[0]), ("entropy", entropy)):
+                sums[key] += per_token.sum() / norm
 
     # ------------------------------------------------------------------ state
 
