@@ -89,9 +89,9 @@ class PolicyConfig(_Section):
         "sdpa (one call per sample), auto = varlen where available")
     activation_checkpointing: bool = Field(
         False, description="recompute each layer's activations in the backward: less memory, ~1/3 more compute")
-    compile: bool = Field(
-        False, description="torch.compile each decoder layer (fuses norms, rotary, activations; the first "
-        "steps pay the compile time)")
+    compile: bool | None = Field(
+        None, description="torch.compile each decoder layer (fuses norms, rotary, activations; the first "
+        "steps pay the compile time); null = on CUDA only")
     max_total_sequence_length: int = Field(256, ge=8, description="prompt + response tokens")
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="gradient clipping; null disables")
     generation: GenerationConfig = Field(default_factory=GenerationConfig)

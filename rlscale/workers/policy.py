@@ -68,7 +68,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
         # activation checkpointing, then compile, then FSDP2 (sharding below), as torchtitan orders them
         if policy.activation_checkpointing:
             enable_activation_checkpointing(self.model)
-        if policy.compile:
+        self.compiled = policy.compile if policy.compile is not None else self.device.type == "cuda"
+        if self.compiled:
             compile_layers(self.model)
         self._rollout: RolloutEngine | None = None
         self._rollout_unsupported = False
@@ -78,7 +79,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
             self.reference = load_model(policy.model_name, self.dtype, self.device, policy.trust_remote_code)
             self.reference.eval().requires_grad_(False)
             use_packed_attention(self.reference, policy.attention_backend)
-            if policy.compile:
+            if self.compiled:
                 compile_layers(self.reference)
         if self.sharded:
             for model in (self.model, self.reference):
@@ -181,7 +182,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
 
     def _logprobs(self, model, mb: PackedMicroBatch, with_entropy: bool = False):
         policy = self.cfg.policy
-        return packed_logprobs(model, mb, with_entropy, policy.logprob_chunk_tokens, policy.compile)
+        return packed_logprobs(model, mb, with_entropy, policy.logprob_chunk_tokens, self.compiled)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False,
