@@ -111,10 +111,11 @@ def train_on_rollouts(cfg: Config, group, rollouts: Rollouts, advantages: list[f
         for rank, shard in enumerate(split_evenly(chosen, group.world_size)):
             per_worker[rank].append(build_train_batch(
                 [rollouts.prompt_ids[i] for i in shard], [rollouts.response_ids[i] for i in shard],
-                [advantages[i] for i in shard], pad_id, cfg.policy.max_total_sequence_length))
+                [advantages[i] for i in shard], pad_id, cfg.policy.max_total_sequence_length,
+                [rollouts.logprobs[i] for i in shard] if rollouts.logprobs else None))
     results = group.run_all("train", [(steps, global_tokens, gbs, sizes.micro_batch_size) for steps in per_worker])
     # each worker reports its share of a global mean, so the global value is their sum
-    summed = {key: sum(r[key] for r in results) for key in ("loss", "kl", "clip_fraction", "entropy")}
+    summed = {key: sum(r[key] for r in results) for key in results[0] if key not in ("grad_norm", "lr")}
     summed.update(grad_norm=results[0]["grad_norm"], lr=results[0]["lr"])
     return {f"train/{k}": v for k, v in summed.items()}
 

@@ -26,6 +26,7 @@ class TrainBatch:
     attention_mask: torch.Tensor  # [B, L] long, 1 on real tokens
     response_mask: torch.Tensor  # [B, L-1] float, 1 where the target is a response token
     advantages: torch.Tensor  # [B] float
+    gen_logprobs: torch.Tensor | None = None  # [B, L-1] the sampler's logprobs of the targets, if reported
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -38,11 +39,12 @@ class TrainBatch:
             attention_mask=self.attention_mask[start:stop, :width],
             response_mask=self.response_mask[start:stop, : width - 1],
             advantages=self.advantages[start:stop],
+            gen_logprobs=None if self.gen_logprobs is None else self.gen_logprobs[start:stop, : width - 1],
         )
 
     def to(self, device: torch.device) -> TrainBatch:
-        return TrainBatch(*(t.to(device) for t in
-                            (self.input_ids, self.attention_mask, self.response_mask, self.advantages)))
+        return TrainBatch(*(None if t is None else t.to(device) for t in (
+            self.input_ids, self.attention_mask, self.response_mask, self.advantages, self.gen_logprobs)))
 
 
 def build_train_batch(
@@ -51,6 +53,7 @@ def build_train_batch(
     advantages: list[float],
     pad_id: int,
     max_length: int,
+    gen_logprobs: list[list[float]] | None = None,
 ) -> TrainBatch:
     """Concatenate each prompt with its response (right padding, positions from 0)."""
     rows = []
@@ -62,11 +65,15 @@ def build_train_batch(
     input_ids = torch.full((size, width), pad_id, dtype=torch.long)
     attention = torch.zeros((size, width), dtype=torch.long)
     response_mask = torch.zeros((size, max(width - 1, 1)), dtype=torch.float32)
+    sampled = torch.zeros_like(response_mask) if gen_logprobs else None
     for i, (prompt, response) in enumerate(rows):
         total = len(prompt) + len(response)
         input_ids[i, :total] = torch.tensor(prompt + response, dtype=torch.long)
         attention[i, :total] = 1
         # target position t predicts token t+1: responses start at len(prompt)
         response_mask[i, len(prompt) - 1 : total - 1] = 1.0
+        if sampled is not None:
+            sampled[i, len(prompt) - 1 : total - 1] = torch.tensor(gen_logprobs[i][: len(response)])
     return TrainBatch(input_ids, attention, response_mask[:, : width - 1],
-                      torch.tensor(advantages, dtype=torch.float32))
+                      torch.tensor(advantages, dtype=torch.float32),
+                      None if sampled is None else sampled[:, : width - 1])

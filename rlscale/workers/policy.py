@@ -237,7 +237,10 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         # summed on the device: reading each micro-batch's numbers back would stall the GPU queue
-        sums = {key: torch.zeros((), device=self.device) for key in ("loss", "kl", "clip_fraction", "entropy")}
+        keys = ["loss", "kl", "clip_fraction", "entropy"]
+        if batch.gen_logprobs is not None:
+            keys.append("token_mult_prob_error")
+        sums = {key: torch.zeros((), device=self.device) for key in keys}
         # Every worker divides by the same global count; gradients are averaged over workers,
         # hence the world size.
         norm = max(global_tokens, 1.0) / self.world_size
@@ -264,6 +267,10 @@ class PolicyWorker(state_io.CheckpointableWorker):
         rows, cols = mb.rows, mb.cols
         old = logprobs.detach() if old_all is None else old_all[rows, cols].to(self.device)
         ref = None if ref_all is None else ref_all[rows, cols].to(self.device)
+        if batch.gen_logprobs is not None:
+            # sampler vs trainer on the same tokens under pi_old: mean exp|difference|, 1.0 = identical
+            gen = batch.gen_logprobs[rows, cols].to(self.device)
+            sums["token_mult_prob_error"] += (gen - old).abs().exp().sum() / norm
         terms = grpo_token_loss(
             logprobs[None], old[None], batch.advantages[rows][None].to(self.device),
             None if ref is None else ref[None], loss_cfg.ratio_clip_min, loss_cfg.ratio_clip_max,
