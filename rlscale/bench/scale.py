@@ -31,9 +31,8 @@ QWEN2_SHAPES = {
 
 def build_random_model(shape: str, out_dir: Path) -> Path:
     """A Qwen2-architecture model dir with random bf16 weights and a tokenizer covering its vocab."""
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     from rlscale.models.tiny import CHARACTERS, SPECIAL_TOKENS
 
@@ -47,6 +46,15 @@ def build_random_model(shape: str, out_dir: Path) -> Path:
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
                                         unk_token="<unk>", padding_side="left")
+    save_random_qwen2(params, tokenizer, out_dir)
+    return out_dir
+
+
+def save_random_qwen2(params: dict, tokenizer, out_dir: Path) -> None:
+    """A Qwen2 shaped by `params` with random bf16 weights (seed 0), saved beside its tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     config = Qwen2Config(**params, max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     torch.manual_seed(0)
@@ -54,7 +62,9 @@ def build_random_model(shape: str, out_dir: Path) -> Path:
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    return out_dir
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the benchmarked runs load it in processes of their own
 
 
 def run_one(model_dir: Path, workers: int, prompts_per_worker: int, generations: int, new_tokens: int,

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlscale.bench.scale import QWEN2_SHAPES, run_one
+from rlscale.bench.scale import QWEN2_SHAPES, run_one, save_random_qwen2
 
 PROMPTS, GENERATIONS, NEW_TOKENS = 32, 8, 256
 LEARNING_RATE = 1e-6  # TRL's default; the same for both (speed does not depend on it)
@@ -55,9 +55,8 @@ def build_bpe_model(shape: str, out_dir: Path) -> dict:
     (A tokenizer smaller than the embedding lets an untrained model sample ids the tokenizer
     cannot map back, which is one way a second step can fail.) Returns what was built, for the JSON.
     """
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     params = {"tie_word_embeddings": True, **QWEN2_SHAPES[shape]}
     rows = params["vocab_size"]
@@ -81,16 +80,7 @@ def build_bpe_model(shape: str, out_dir: Path) -> dict:
     core = Tokenizer.from_str(json.dumps(spec))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
                                         unk_token="<unk>", padding_side="left")
-    tokenizer.save_pretrained(out_dir)
-    config = Qwen2Config(**params, max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out_dir)
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # both halves load it in processes of their own
+    save_random_qwen2(params, tokenizer, out_dir)
     # Loaded back as the model type's tokenizer class (transformers 5 picks Qwen2Tokenizer from
     # config.json), which adds its default unk token unless one is named: every id must stay
     # below the embedding rows, or a padded or unknown id would index past them on the GPU.
