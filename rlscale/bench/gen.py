@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from rlscale.bench.scale import QWEN2_SHAPES
+from rlscale.grpo.loss import token_logprobs_and_entropy
 
 # HBM bandwidth, bytes/s (vendor figures), for the bound; unknown devices report no fraction.
 MEMORY_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12, "A100": 2.0e12}
@@ -42,10 +43,10 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
 
 def bandwidth_bound_tokens_per_s(model, batch: int, prompt: int, new: int, bandwidth: float) -> float:
     """Tokens/s if each decode step only had to read the weights and the live KV cache once."""
+    from rlscale.rollout.weights import model_shape
+
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    cfg = model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * model.dtype.itemsize
+    kv_per_token = model_shape(model.config).kv_values_per_token * model.dtype.itemsize
     seconds = sum((weight_bytes + batch * (prompt + t) * kv_per_token) / bandwidth for t in range(new))
     return batch * new / seconds
 
@@ -91,8 +92,8 @@ def logprob_agreement(model, prompts: torch.Tensor, new_tokens: int, rows: int =
     out = engine.generate(sample.tolist(), new_tokens, SamplingMode(1.0), eos_ids=[1], pad_id=0, ignore_eos=True)
     full = torch.cat([sample, torch.tensor(out.tokens, device=sample.device)], dim=1)
     with torch.no_grad():
-        logits = model(full).logits[:, sample.shape[1] - 1:-1].float()
-    trainer = torch.log_softmax(logits, -1).gather(-1, full[:, sample.shape[1]:, None]).squeeze(-1)
+        logits = model(full).logits[:, sample.shape[1] - 1:-1]
+    trainer, _ = token_logprobs_and_entropy(logits, full[:, sample.shape[1]:])
     diff = (torch.tensor(out.logprobs, device=trainer.device) - trainer).abs()
     # NeMo-RL's token_mult_prob_error: mean of exp(|logprob difference|), 1.0 = identical
     return {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()),

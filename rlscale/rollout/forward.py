@@ -43,10 +43,6 @@ class KVCache:
         self.values = [torch.zeros(size, device=device, dtype=dtype) for _ in range(shape.num_layers)]
         self.slots, self.max_length = slots, max_length
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
 
 def rotary_table(source_model, max_length: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for positions 0..max_length-1 from the model's own rotary module (any rope scaling)."""

@@ -31,7 +31,8 @@ class ModelShape:
     tied_embeddings: bool
 
     @property
-    def kv_bytes_per_token(self) -> int:
+    def kv_values_per_token(self) -> int:
+        """Keys and values cached per token, over all layers (multiply by the dtype's size for bytes)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 

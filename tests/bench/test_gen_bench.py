@@ -1,0 +1,34 @@
+"""`rlscale bench gen` on CPU with the tiny shape: every variant runs and the numbers add up."""
+
+import json
+
+import torch
+from typer.testing import CliRunner
+
+from rlscale.bench.gen import bandwidth_bound_tokens_per_s, build_model
+from rlscale.cli import app
+
+
+def test_bench_gen_writes_each_variant_and_the_engine_logprob_check(tmp_path):
+    torch.set_num_threads(1)
+    out = tmp_path / "gen.json"
+    result = CliRunner().invoke(app, ["bench", "gen", "--model", "tiny", "--variant", "engine", "--variant",
+                                      "hf_dynamic", "--batch", "4", "--prompt-tokens", "8", "--new-tokens", "8",
+                                      "--reps", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    entry = json.loads(out.read_text())["models"]["tiny"]
+    assert set(entry["results"]) == {"engine", "hf_dynamic"}
+    for r in entry["results"].values():
+        assert r["tokens_per_s"] == 4 * 8 / r["median_s"]
+    assert entry["best_engine_vs_best_hf"] == (entry["results"]["engine"]["tokens_per_s"]
+                                               / entry["results"]["hf_dynamic"]["tokens_per_s"])
+    check = entry["engine_logprobs_vs_forward"]
+    assert check["max_abs"] < 1e-4 and abs(check["token_mult_prob_error"] - 1.0) < 1e-4  # fp32 on CPU
+
+
+def test_the_bandwidth_bound_counts_weights_once_per_step_plus_the_growing_kv_cache():
+    model = build_model("tiny", torch.device("cpu"), torch.float32)
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    kv_per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads, head_dim 64/4, fp32
+    seconds = sum(weights + 3 * (5 + t) * kv_per_token for t in range(2)) / 1e9
+    assert abs(bandwidth_bound_tokens_per_s(model, 3, 5, 2, 1e9) - 3 * 2 / seconds) < 1e-6
