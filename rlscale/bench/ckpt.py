@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from rlscale.bench import sync, write_result
 from rlscale.bench.scale import QWEN2_SHAPES
 from rlscale.ckpt.layout import fsync_path
 from rlscale.errors import UserError
@@ -31,11 +32,6 @@ from rlscale.workers.state_io import CheckpointableWorker
 # Qwen2 architectures' shapes, from the table `bench scale` uses; weights are random. Only the
 # tied-embedding sizes the checkpoint benchmark is run at (qwen2_config ties them).
 MODELS = {name: QWEN2_SHAPES[name] for name in ("qwen2-0.5b", "qwen2-1.5b")}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def qwen2_config(size_gb: float, model: str | None, dtype: torch.dtype):
@@ -78,7 +74,7 @@ class BenchWorker(CheckpointableWorker):
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        _sync(device)
+        sync(device)
 
     def state_bytes(self) -> int:
         from rlscale.workers.state_io import model_tensors, optimizer_flat
@@ -116,10 +112,10 @@ def measure_limits(directory: Path, nbytes: int, device: torch.device, writers: 
     dst = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     best = float("inf")
     for _ in range(3):
-        _sync(device)
+        sync(device)
         started = time.perf_counter()
         dst.copy_(src, non_blocking=True)
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - started)
     del src, dst
     part = -(-nbytes // writers)
@@ -181,12 +177,12 @@ def bench_dcp(worker, directory: Path) -> tuple[dict, dict]:
         state = {"model": model_sd, "optim": optim_sd}
         started = time.perf_counter()
         dcp.save(state, checkpoint_id=str(directory / "dcp"))
-        _sync(worker.device)
+        sync(worker.device)
         sync_s = time.perf_counter() - started
         drop_cache(directory / "dcp")
         started = time.perf_counter()
         dcp.load(state, checkpoint_id=str(directory / "dcp"))
-        _sync(worker.device)
+        sync(worker.device)
         load_s = time.perf_counter() - started
         shutil.rmtree(directory / "dcp")
         async_result, errors = {}, []
@@ -262,7 +258,7 @@ def bench_rlscale(worker, directory: Path) -> dict[str, float]:
     drop_cache(root / "step_2")
     started = time.perf_counter()
     checkpointer.load(root / "step_2", group)
-    _sync(worker.device)
+    sync(worker.device)
     load_s = time.perf_counter() - started
     shutil.rmtree(root)
     return {"stall_s": stall, "durable_s": durable, "load_s": load_s, "first_stall_s": first.stall_s,
@@ -353,7 +349,7 @@ def run_benchmark(directory: Path | None, json_file: Path | None, size_gb: float
         shutil.rmtree(directory, ignore_errors=True)
     echo(format_table(out))
     if json_file is not None:
-        Path(json_file).write_text(json.dumps(out, indent=2) + "\n")
+        write_result(out, json_file)
         echo(f"wrote {json_file}")
     return out
 

@@ -15,13 +15,13 @@ values so far; `bound_fraction` is the measured tokens/s over that bound's token
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from rlscale.bench import sync, write_result
 from rlscale.bench.scale import QWEN2_SHAPES
 from rlscale.grpo.loss import token_logprobs_and_entropy
 
@@ -52,12 +52,10 @@ def bandwidth_bound_tokens_per_s(model, batch: int, prompt: int, new: int, bandw
 
 
 def _timed(fn, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     start = time.perf_counter()
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     return time.perf_counter() - start
 
 
@@ -147,7 +145,7 @@ def run_benchmark(shapes: list[str], variants: list[str], batch: int, prompt_tok
                                            if "tokens_per_s" in result else result["error"][:300]))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            _write(out, json_file)
+            write_result(out, json_file)
         try:
             entry["engine_logprobs_vs_forward"] = logprob_agreement(model, prompts, new_tokens)
         except Exception as exc:
@@ -159,14 +157,8 @@ def run_benchmark(shapes: list[str], variants: list[str], batch: int, prompt_tok
         if hf and engines:
             entry["best_engine_vs_best_hf"] = max(engines) / max(hf)
         del model
-        _write(out, json_file)
+        write_result(out, json_file)
     return out
-
-
-def _write(out: dict, json_file: Path | None) -> None:
-    if json_file:
-        json_file.parent.mkdir(parents=True, exist_ok=True)
-        json_file.write_text(json.dumps(out, indent=2) + "\n")
 
 
 def format_table(out: dict) -> str:

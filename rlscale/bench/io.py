@@ -11,7 +11,6 @@ All files live in a temporary subdirectory of PATH, removed at the end even on e
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import shutil
@@ -21,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from rlscale.bench import write_result
 from rlscale.bench.ckpt import drop_cache
 from rlscale.ckpt.tensorfile import CHUNK, write_file
 from rlscale.errors import UserError, short_reason
@@ -158,8 +158,7 @@ def io_command(path: Path, max_writers: int, file_size_mb: int, total_gb: float,
            "recommendation": {"writers_per_rank": best, "lustre_stripe_count": stripe,
                               "lustre": lustre, "text": lines},
            "notes": [FADVISE_NOTE]}
-    if json_file is not None:
-        Path(json_file).write_text(json.dumps(out, indent=2) + "\n")
+    write_result(out, json_file)
     return out
 
 

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlscale.bench import write_result
+
 QWEN2_SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512),  # a CPU smoke run of the benchmark itself
@@ -112,9 +114,7 @@ def run_benchmark(shape: str, worker_counts: list[int], prompts_per_worker: int,
     out = {"date": time.strftime("%Y-%m-%d"), "device": device, "model": shape,
            "prompts_per_worker": prompts_per_worker, "generations_per_prompt": generations,
            "max_new_tokens": new_tokens, "runs": runs}
-    if json_file:
-        json_file.parent.mkdir(parents=True, exist_ok=True)
-        json_file.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(out, json_file)
     return out
 
 

@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlscale.bench import write_result
 from rlscale.bench.scale import QWEN2_SHAPES, run_one, save_random_qwen2
 
 PROMPTS, GENERATIONS, NEW_TOKENS = 32, 8, 256
@@ -199,9 +200,7 @@ def run_benchmark(shape: str, steps: int, json_file: Path | None, only: str | No
            "rlscale": None, "trl": None}
 
     def write() -> None:
-        if json_file:
-            json_file.parent.mkdir(parents=True, exist_ok=True)
-            json_file.write_text(json.dumps(out, indent=2) + "\n")
+        write_result(out, json_file)
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

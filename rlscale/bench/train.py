@@ -30,13 +30,14 @@ head everywhere does extra work that is not credited), and the last term causal 
 from __future__ import annotations
 
 import gc
-import json
 import platform
 import statistics
 import tempfile
 import time
 import traceback
 from pathlib import Path
+
+from rlscale.bench import sync, write_result
 
 # dense (non-sparse) bf16 tensor-core peaks, TFLOP/s; the first matching name wins
 PEAK_TFLOPS = [
@@ -97,20 +98,13 @@ def synthetic_batch(samples: int, seq_len: int, prompt_len: int, vocab: int, rag
     return build_train_batch(prompts, responses, advantages, pad_id=0, max_length=seq_len)
 
 
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(update, device, warmup: int, reps: int) -> dict:
     times = []
     for _ in range(warmup + reps):
-        _sync(device)
+        sync(device)
         started = time.perf_counter()
         update()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - started)
     return {"first_update_s": times[0], "median_update_s": statistics.median(times[warmup:]),
             "update_times_s": times[warmup:]}
@@ -161,8 +155,6 @@ def run_hf(model_dir: Path, variant: str, batch, micro: int, device, dtype, warm
 
 def run_rlscale(model_dir: Path, variant: str, batch, micro_tokens: int, device, warmup: int, reps: int,
                 seq_len: int, check_against_hf: bool) -> dict:
-    import torch
-
     from rlscale.config import load_config
     from rlscale.workers.policy import PolicyWorker
 
@@ -188,7 +180,7 @@ def run_rlscale(model_dir: Path, variant: str, batch, micro_tokens: int, device,
         timing = _timed(lambda: worker.train([batch], [tokens], samples, samples), device, warmup, reps)
         started = time.perf_counter()
         worker.compute_logprobs(batch)
-        _sync(device)
+        sync(device)
         out["logprob_pass_s"] = time.perf_counter() - started  # no-grad pass (pi_old, reference), warm
         out["logprob_pass_tokens_per_s"] = float(batch.attention_mask.sum()) / out["logprob_pass_s"]
         return {**out, **timing}
@@ -238,9 +230,7 @@ def run_benchmark(models: list[str], variants: list[str], batches: list[tuple[in
            "warmup": warmup, "reps": reps, "results": []}
 
     def save():
-        if json_file:
-            json_file.parent.mkdir(parents=True, exist_ok=True)
-            json_file.write_text(json.dumps(out, indent=2) + "\n")
+        write_result(out, json_file)
 
     for name in models:
         shape = {"tie_word_embeddings": True, **QWEN2_SHAPES[name]}

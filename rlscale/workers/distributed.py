@@ -53,15 +53,6 @@ def max_over_workers(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
-def max_over_workers(value: int, device: torch.device) -> int:
-    """The largest `value` any worker of the process group holds."""
-    import torch.distributed as dist
-
-    tensor = torch.tensor([value], dtype=torch.long, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
-
-
 def as_float(value) -> float:
     """A scalar that may be a DTensor (e.g. the grad norm of sharded parameters)."""
     if hasattr(value, "full_tensor"):

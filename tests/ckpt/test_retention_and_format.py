@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from rlscale.ckpt import tensorfile
 from rlscale.ckpt.retention import steps_to_delete
