@@ -159,7 +159,16 @@ def remove_step_dir(step_dir: Path) -> None:
 
 def latest_intact(root: Path) -> Path | None:
     """The newest committed step that verifies; a damaged newer one is skipped, not trusted."""
+    return newest_intact(root)[0]
+
+
+def newest_intact(root: Path, checksums: bool = False) -> tuple[Path | None, list[tuple[str, str]]]:
+    """The newest committed step that verifies (None if none does), and the (name, why) of each
+    damaged newer step skipped on the way."""
+    skipped = []
     for _step, path in reversed(committed_steps(root)):
-        if verify_step_dir(path).ok:
-            return path
-    return None
+        verdict = verify_step_dir(path, checksums=checksums)
+        if verdict.ok:
+            return path, skipped
+        skipped.append((path.name, verdict.reason))
+    return None, skipped

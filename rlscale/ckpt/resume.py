@@ -49,12 +49,9 @@ def choose(root: Path, mode: str, checksums: bool = False) -> ResumeChoice:
                             "new directory, or resume with checkpointing.resume=auto")
         return ResumeChoice(None)
     if mode == "auto":
-        skipped = []
-        for _step, path in reversed(layout.committed_steps(root)):
-            verdict = layout.verify_step_dir(path, checksums=checksums)
-            if verdict.ok:
-                return ResumeChoice(path, skipped)
-            skipped.append((path.name, verdict.reason))
+        path, skipped = layout.newest_intact(root, checksums)
+        if path is not None:
+            return ResumeChoice(path, skipped)
         if skipped:
             raise UserError(f"no intact checkpoint in {str(root)!r}: {skipped[0][0]} is damaged ({skipped[0][1]}); "
                             "move the directory away to start fresh, or set checkpointing.resume to a good step_N")
