@@ -60,15 +60,14 @@ def token_logprobs_and_entropy(
     batch, steps, vocab = logits.shape
     flat_logits = logits.reshape(-1, vocab)
     flat_targets = targets.reshape(-1)
+    acc = torch.promote_types(logits.dtype, torch.float32)
     pieces_lp, pieces_ent = [], []
     for start in range(0, max(flat_logits.shape[0], 1), chunk):
-        rows = flat_logits[start:start + chunk].float()
-        logz = torch.logsumexp(rows, dim=-1)
-        picked = rows.gather(-1, flat_targets[start:start + chunk, None]).squeeze(-1)
-        pieces_lp.append(picked - logz)
+        lp, _, ent = _chunk_forward(flat_logits[start:start + chunk], flat_targets[start:start + chunk],
+                                    with_entropy, acc)
+        pieces_lp.append(lp)
         if with_entropy:
-            probs = torch.softmax(rows, dim=-1)
-            pieces_ent.append(logz - (probs * rows).sum(-1))
+            pieces_ent.append(ent)
     logprobs = torch.cat(pieces_lp).view(batch, steps)
     entropy = torch.cat(pieces_ent).view(batch, steps) if with_entropy else None
     return logprobs, entropy
