@@ -14,7 +14,6 @@ backward, optimizer). The JSON is rewritten after every step, so a crash keeps t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 import traceback
@@ -22,6 +21,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import yaml
+
+from rlscale.bench import write_result
 
 
 def parity_reward(completions, **kwargs) -> list[float]:
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"status": "starting", "per_step": []}
 
     def write() -> None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(result, args.json)
 
     try:
         import trl  # noqa: F401
