@@ -144,8 +144,13 @@ class RayWorkerGroup:
     def run_rank0(self, method: str, *args, **kwargs) -> Any:
         return self._get([getattr(self.actors[0], method).remote(*args, **kwargs)])[0]
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace_s: float = 5.0) -> None:
+        """Ask every worker to exit, then force-kill those still there (hung in a collective after a
+        peer died). A forced kill reaches a live worker as SIGTERM, which Ray reports as a worker
+        traceback in the driver's stderr: workers that can exit cleanly do so first."""
         ray = _ray()
+        exits = [actor.__ray_terminate__.remote() for actor in self.actors]
+        ray.wait(exits, num_returns=len(exits), timeout=grace_s)
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
