@@ -255,6 +255,7 @@ def bench_rlscale(worker, directory: Path) -> dict[str, float]:
     stall = time.perf_counter() - started
     checkpointer.wait()
     durable = time.perf_counter() - started
+    profile = profile_save(checkpointer, group)
     drop_cache(root / "step_2")
     started = time.perf_counter()
     checkpointer.load(root / "step_2", group)
@@ -262,7 +263,26 @@ def bench_rlscale(worker, directory: Path) -> dict[str, float]:
     load_s = time.perf_counter() - started
     shutil.rmtree(root)
     return {"stall_s": stall, "durable_s": durable, "load_s": load_s, "first_stall_s": first.stall_s,
-            "bytes_written": report.bytes}
+            "bytes_written": report.bytes, "staging_registered": worker._engine._arena.registered,
+            "save_profile": profile}
+
+
+def profile_save(checkpointer, group, rows: int = 30) -> list[str]:
+    """Where a warm save's stall goes: cProfile of one more save, the top functions by
+    cumulative time (a blocking device copy shows up as time inside its torch call)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    checkpointer.save(3, group, {"step": 3}, {})
+    profiler.disable()
+    checkpointer.wait()
+    shutil.rmtree(checkpointer.root / "step_3")
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(rows)
+    return [line for line in text.getvalue().splitlines() if line.strip()][-rows - 1:]
 
 
 def bench_grpo_overhead(worker, directory: Path, steps: int, overrides: list[str]) -> dict[str, float]:

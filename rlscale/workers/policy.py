@@ -20,6 +20,7 @@ from rlscale.models import PromptRenderer, load_model, load_tokenizer, pick_devi
 from rlscale.models.packed_attention import packed_kwargs, use_packed_attention
 from rlscale.workers.batch import Rollouts, TrainBatch
 from rlscale.rollout import RolloutEngine, SamplingMode, StopStrings, round_up, unsupported_reason
+from rlscale.telemetry.torch_profile import CallProfiler
 from rlscale.workers.packing import PackedMicroBatch, filler_pack, pack_batch
 from rlscale.workers import distributed, state_io
 
@@ -44,6 +45,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         False builds a plain replica, as tests of rank-aware code in one process do."""
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
+        self.profiler = CallProfiler(rank)
         policy = cfg.policy
         torch.manual_seed(cfg.grpo.seed + rank)
         random.seed(cfg.grpo.seed + rank)
@@ -98,9 +100,12 @@ class PolicyWorker(state_io.CheckpointableWorker):
 
     # ------------------------------------------------------------------ generation
 
-    @torch.no_grad()
     def generate(self, texts: list[str], params: SamplingParams) -> Rollouts:
         """Sample one response per prompt text (repeat texts for groups)."""
+        with self.profiler.around("generate"), torch.no_grad():
+            return self._generate(texts, params)
+
+    def _generate(self, texts: list[str], params: SamplingParams) -> Rollouts:
         prompt_ids = [self.renderer.render(text) for text in texts]
         engine = self._rollout_engine()
         if engine is None:
@@ -203,6 +208,11 @@ class PolicyWorker(state_io.CheckpointableWorker):
 
     def train(self, steps: list[TrainBatch], global_tokens: list[float], global_samples: int,
               micro_batch_size: int) -> dict[str, float]:
+        with self.profiler.around("train"):
+            return self._train(steps, global_tokens, global_samples, micro_batch_size)
+
+    def _train(self, steps: list[TrainBatch], global_tokens: list[float], global_samples: int,
+               micro_batch_size: int) -> dict[str, float]:
         """One GRPO update: an optimizer step per batch in `steps` (this worker's share of it).
 
         global_tokens[i]: response tokens in optimizer step i summed over all workers, so that the

@@ -99,7 +99,9 @@ class RayWorkerGroup:
         # with another run's.
         rendezvous = ray.remote(_rendezvous_impl).options(num_cpus=0, scheduling_strategy=in_bundle(0))
         address, port = ray.get(rendezvous.remote())
-        env = {"MASTER_ADDR": address, "MASTER_PORT": str(port), "WORLD_SIZE": str(self.world_size)}
+        env = {"MASTER_ADDR": address, "MASTER_PORT": str(port), "WORLD_SIZE": str(self.world_size),
+               # developer profiling (telemetry/torch_profile.py) reaches workers on any node
+               **{k: v for k, v in os.environ.items() if k.startswith("RLSCALE_PROFILE_")}}
         if use_gpus:  # every GPU stays visible to every worker: NCCL's P2P/NVLink paths need it
             env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
         self.actors = [

@@ -1,0 +1,53 @@
+"""Developer profiling: torch.profiler around the Nth call of a worker method, as text tables.
+
+    RLSCALE_PROFILE_DIR=/tmp/prof RLSCALE_PROFILE_CALL=3 rlscale train ...
+
+writes `rank{r}-{method}-call{N}.txt` (operators by device time and by CPU time) for every
+profiled method (`generate`, `train`). Off unless RLSCALE_PROFILE_DIR is set; Ray workers get
+the variable from the driver (see workers/ray_group.py). Tables, not traces: they stay small
+enough to bring back from a remote machine, and say where a step's time goes.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+DIR_VARIABLE, CALL_VARIABLE = "RLSCALE_PROFILE_DIR", "RLSCALE_PROFILE_CALL"
+DEFAULT_CALL = 3  # the first calls compile and capture; the third is a steady one
+
+
+class CallProfiler:
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.calls: dict[str, int] = {}
+
+    @contextmanager
+    def around(self, method: str):
+        count = self.calls[method] = self.calls.get(method, 0) + 1
+        directory = os.environ.get(DIR_VARIABLE)
+        if not directory or count != int(os.environ.get(CALL_VARIABLE, DEFAULT_CALL)):
+            yield
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=activities) as prof:
+            yield
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        path = Path(directory) / f"rank{self.rank}-{method}-call{count}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(profile_tables(prof))
+
+
+def profile_tables(prof, rows: int = 40) -> str:
+    averages = prof.key_averages()
+    tables = []
+    if torch.cuda.is_available():
+        tables.append("## by device time\n" + averages.table(sort_by="self_cuda_time_total", row_limit=rows))
+    tables.append("## by CPU time (inclusive)\n" + averages.table(sort_by="cpu_time_total", row_limit=rows))
+    return "\n\n".join(tables) + "\n"

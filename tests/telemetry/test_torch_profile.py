@@ -1,0 +1,26 @@
+import torch
+
+from rlscale.telemetry.torch_profile import CALL_VARIABLE, DIR_VARIABLE, CallProfiler
+
+
+def test_profiles_only_the_chosen_call(tmp_path, monkeypatch):
+    monkeypatch.setenv(DIR_VARIABLE, str(tmp_path))
+    monkeypatch.setenv(CALL_VARIABLE, "2")
+    profiler = CallProfiler(rank=1)
+    x = torch.randn(32, 32)
+    for _ in range(3):
+        with profiler.around("train"):
+            (x @ x).sum()
+    assert [p.name for p in tmp_path.iterdir()] == ["rank1-train-call2.txt"]
+    text = (tmp_path / "rank1-train-call2.txt").read_text()
+    assert "by CPU time" in text and "aten::mm" in text
+
+
+def test_off_without_the_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv(DIR_VARIABLE, raising=False)
+    monkeypatch.setenv(CALL_VARIABLE, "1")
+    profiler = CallProfiler(rank=0)
+    with profiler.around("generate"):
+        torch.ones(2).sum()
+    assert profiler.calls == {"generate": 1}
+    assert list(tmp_path.iterdir()) == []
