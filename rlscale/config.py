@@ -47,8 +47,9 @@ class GenerationConfig(_Section):
         "engine", description="engine: rlscale's rollout engine (KV cache, CUDA graphs; Qwen2/Qwen3/Llama/"
         "Mistral, others fall back to hf); hf: transformers generate")
     cuda_graphs: bool = Field(True, description="engine on CUDA: replay decode steps as captured CUDA graphs")
-    compile: bool = Field(True, description="engine on CUDA: fuse the decode step with torch.compile before "
-                          "capturing it (compiles once, at the first generation)")
+    compile: bool = Field(True, description="engine on CUDA: fuse the decode step and its sampling with "
+                          "torch.compile before capturing it (compiles at the first generation of each "
+                          "sampling mode)")
 
 
 class OptimizerConfig(_Section):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlscale.rollout.forward import DecoderForward, KVCache, rotary_table
-from rlscale.rollout.sampling import SamplingMode, sample_tokens
+from rlscale.rollout.sampling import SamplingMode, exponential_noise, sample_tokens
 from rlscale.rollout.weights import DecodeWeights, unsupported_reason
 
 
@@ -70,9 +70,11 @@ class RolloutEngine:
         self.max_length = max_length
         cos, sin = rotary_table(source_model, max_length, self.device, dtype)
         self.forward = DecoderForward(self.weights, cos, sin, decode_attention)
-        # torch.compile fuses the norms, rotary and activation kernels of a decode step (captured
-        # into the graph afterwards); compilation happens at the first capture
-        self._decode = torch.compile(self.forward.decode, dynamic=False) if compile_decode else self.forward.decode
+        # torch.compile fuses the norms, rotary and activation kernels of a decode step, and the
+        # sampling's logsumexp and noisy argmax into a reduction or two over the logits (captured
+        # into the graph afterwards); compilation happens at the first capture, once per mode
+        self._decode_and_sample = (torch.compile(self._forward_and_sample, dynamic=False) if compile_decode
+                                   else self._forward_and_sample)
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.check_every = check_every
         self.prefill_tokens = prefill_tokens
@@ -101,11 +103,17 @@ class RolloutEngine:
         self.cache = KVCache(self.shape, slots, length, self.device, self.dtype)
         self.state = _DecodeState(slots, max_new_tokens, self.device, pad_id, eos_ids)
 
+    def _forward_and_sample(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                            mode: SamplingMode, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return sample_tokens(self.forward.decode(tokens, positions, cache), mode, noise)
+
     def _step(self, mode: SamplingMode) -> None:
         """One decode step on the static buffers: forward, sample, record, advance."""
         st = self.state
-        logits = self._decode(st.tokens, st.positions, self.cache)
-        tokens, logprobs = sample_tokens(logits, mode)
+        # the noise is drawn here, outside the compiled region: the native exponential_ is safe to
+        # capture in the CUDA graph, a random op inside an inductor graph may replay the same numbers
+        noise = None if mode.greedy else exponential_noise(len(st.tokens), self.shape.vocab_size, self.device)
+        tokens, logprobs = self._decode_and_sample(st.tokens, st.positions, self.cache, mode, noise)
         tokens = torch.where(st.done, st.pad_id, tokens)
         st.out_tokens.index_copy_(1, st.step, tokens[:, None])
         st.out_logprobs.index_copy_(1, st.step, logprobs[:, None])

@@ -35,20 +35,30 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torc
     return logits
 
 
-def sample_tokens(logits: torch.Tensor, mode: SamplingMode) -> tuple[torch.Tensor, torch.Tensor]:
+def exponential_noise(rows: int, vocab: int, device) -> torch.Tensor:
+    """Exp(1) noise for `sample_tokens`, from the native RNG op (safe inside a captured CUDA graph)."""
+    return torch.empty(rows, vocab, dtype=torch.float32, device=device).exponential_()
+
+
+def sample_tokens(logits: torch.Tensor, mode: SamplingMode,
+                  noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens [B] and their log-probabilities under the unmodified distribution [B].
 
     Log-probabilities are those the trainer recomputes (temperature 1, no filtering), so the two
-    can be compared token by token. Sampling uses the exponential-race form of the Gumbel-max trick
-    (argmax p / E, E ~ Exp(1)): one pass, no sort, no host sync.
+    can be compared token by token. Sampling is the exponential race (argmax p / E, E ~ Exp(1))
+    taken in log space, argmax(logits / T - log E): no softmax, no sort, no host sync, so under
+    torch.compile it and the logsumexp fuse into a reduction or two over the logits.
+    `noise` [B, vocab] (Exp(1), float32) may come from outside: a compiled caller passes noise
+    generated eagerly, since random ops inside an inductor graph that is then captured in a CUDA
+    graph may replay the same numbers.
     """
     logits = logits.float()
-    logprobs_all = torch.log_softmax(logits, dim=-1)
     if mode.greedy:
         tokens = logits.argmax(-1)
     else:
-        scaled = filter_logits(logits / mode.temperature, mode.top_k, mode.top_p)
-        probs = scaled.softmax(-1)
-        noise = torch.empty_like(probs).exponential_(1.0)
-        tokens = (probs / noise).argmax(-1)
-    return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
+        scaled = filter_logits(logits / mode.temperature, mode.top_k, mode.top_p)  # no-op when off
+        if noise is None:
+            noise = exponential_noise(*logits.shape, logits.device)
+        tokens = (scaled - noise.log()).argmax(-1)
+    chosen = logits.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, chosen - torch.logsumexp(logits, -1)
