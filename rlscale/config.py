@@ -93,6 +93,10 @@ class PolicyConfig(_Section):
     compile: bool | None = Field(
         None, description="torch.compile each decoder layer (fuses norms, rotary, activations; the first "
         "steps pay the compile time); null = on CUDA only")
+    shard_reference: bool | None = Field(
+        None, description="FSDP2-shard the frozen reference model over the workers (each logprob pass "
+        "all-gathers it); false keeps a whole copy per worker; null = shard only when its weights exceed "
+        "10% of a GPU's memory")
     max_total_sequence_length: int = Field(256, ge=8, description="prompt + response tokens")
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="gradient clipping; null disables")
     generation: GenerationConfig = Field(default_factory=GenerationConfig)

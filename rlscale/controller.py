@@ -91,7 +91,7 @@ def make_scorer(cfg: Config):
 def generate_rollouts(group, texts: list[str], params: SamplingParams) -> Rollouts:
     """Every worker samples its slice of the prompts; results are concatenated in order."""
     shards = split_evenly(texts, group.world_size)
-    parts = group.run_all("generate", [(shard, params) for shard in shards])
+    parts = group.run_all("generate", [(shard, params, True) for shard in shards])  # the update follows
     return Rollouts(*(sum((getattr(p, name) for p in parts), []) for name in
                       ("prompt_ids", "response_ids", "texts", "truncated", "logprobs")))
 

@@ -77,18 +77,18 @@ def local_gpu_index() -> int:
 
 
 @contextmanager
-def gathered(model, enabled: bool = True):
+def gathered(model, enabled: bool = True, keep: bool = False):
     """Hold the full parameters of an FSDP2 model for a while (generation, logprob passes).
 
     Sharded, every forward all-gathers every block: per token when decoding, with all ranks
     in lockstep. Gathered once, each rank runs forwards on its own, as many as it needs.
+    keep: leave them gathered afterwards, for an update that follows with the same weights (its
+    first forward then all-gathers nothing; its last backward reshards); `reshard` ends it early.
     """
     if not enabled:
         yield
         return
-    from torch.distributed.fsdp import FSDPModule
-
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    modules = fsdp_modules(model)
     for module in modules:
         module.set_reshard_after_forward(False, recurse=False)
         module.unshard()
@@ -96,8 +96,34 @@ def gathered(model, enabled: bool = True):
         yield
     finally:
         for module in modules:
-            module.reshard()
+            if not keep:
+                module.reshard()
             module.set_reshard_after_forward(True, recurse=False)
+
+
+def reshard(model, enabled: bool = True) -> None:
+    """Free gathered FSDP2 parameters (a no-op for modules already sharded)."""
+    if enabled:
+        for module in fsdp_modules(model):
+            module.reshard()
+
+
+def fsdp_modules(model) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def shard_reference(setting: bool | None, model, device: torch.device) -> bool:
+    """Whether to FSDP2-shard the frozen reference model (policy.shard_reference). A whole copy
+    per GPU costs its weights in memory but no all-gather per step; below 10% of the GPU's
+    memory (a 0.5B–1.5B model on any current GPU) the copy is the better trade."""
+    if setting is not None:
+        return setting
+    if device.type != "cuda":
+        return False
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return weights > 0.1 * torch.cuda.get_device_properties(device).total_memory
 
 
 @contextmanager

@@ -83,10 +83,13 @@ class PolicyWorker(state_io.CheckpointableWorker):
             use_packed_attention(self.reference, policy.attention_backend)
             if self.compiled:
                 compile_layers(self.reference)
+        self.reference_sharded = False
         if self.sharded:
-            for model in (self.model, self.reference):
-                if model is not None:
-                    distributed.shard_model(model)
+            distributed.shard_model(self.model)
+            if self.reference is not None and distributed.shard_reference(
+                    policy.shard_reference, self.reference, self.device):
+                distributed.shard_model(self.reference)
+                self.reference_sharded = True
         opt = policy.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
@@ -100,18 +103,22 @@ class PolicyWorker(state_io.CheckpointableWorker):
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, texts: list[str], params: SamplingParams) -> Rollouts:
-        """Sample one response per prompt text (repeat texts for groups)."""
-        with self.profiler.around("generate"), torch.no_grad():
-            return self._generate(texts, params)
+    def generate(self, texts: list[str], params: SamplingParams, update_follows: bool = False) -> Rollouts:
+        """Sample one response per prompt text (repeat texts for groups).
 
-    def _generate(self, texts: list[str], params: SamplingParams) -> Rollouts:
+        update_follows: the next call is `train` on these samples, with the same weights, so
+        FSDP2 parameters gathered for the engine stay gathered for the update's first forward
+        (one all-gather of the model per step instead of two)."""
+        with self.profiler.around("generate"), torch.no_grad():
+            return self._generate(texts, params, update_follows)
+
+    def _generate(self, texts: list[str], params: SamplingParams, update_follows: bool) -> Rollouts:
         prompt_ids = [self.renderer.render(text) for text in texts]
         engine = self._rollout_engine()
         if engine is None:
             return self._generate_hf(prompt_ids, params)
         tok = self.tokenizer
-        with distributed.gathered(self.model, self.sharded):
+        with distributed.gathered(self.model, self.sharded, keep=update_follows):
             engine.sync_weights(self.model)  # in place, device to device; the engine then decodes alone
         out = engine.generate(
             prompt_ids, params.max_new_tokens, SamplingMode(params.temperature, params.top_p, params.top_k),
@@ -196,7 +203,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         model = self.reference if reference else self.model
         model.eval()
         rows, cols, pieces = [], [], []
-        with distributed.gathered(model, self.sharded):
+        with distributed.gathered(model, self.reference_sharded if reference else self.sharded):
             for mb in pack_batch(batch, self._token_budget(micro_batch_size)):
                 pieces.append(self._logprobs(model, mb.to(self.device))[0])
                 rows.append(mb.rows)
@@ -280,7 +287,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         if batch.gen_logprobs is not None:
             # sampler vs trainer on the same tokens under pi_old: mean exp|difference|, 1.0 = identical
             gen = batch.gen_logprobs[rows, cols].to(self.device)
-            sums["token_mult_prob_error"] += (gen - old).abs().exp().sum() / norm
+            sums["token_mult_prob_error"] += (gen - old).abs().exp().sum() / (norm * self.world_size)
         terms = grpo_token_loss(
             logprobs[None], old[None], batch.advantages[rows][None].to(self.device),
             None if ref is None else ref[None], loss_cfg.ratio_clip_min, loss_cfg.ratio_clip_max,
@@ -291,15 +298,22 @@ class PolicyWorker(state_io.CheckpointableWorker):
             weights = (1.0 / (response_lengths[rows] * seq_norm)).to(self.device)
         (terms.loss[0] * weights).sum().backward()
         with torch.no_grad():
+            # metrics: this worker's share of the global token mean (the controller adds the shares)
+            global_tokens = norm * self.world_size
             for key, per_token in (("loss", terms.loss[0]), ("kl", terms.kl[0]),
                                    ("clip_fraction", terms.clipped[0]), ("entropy", entropy)):
-                sums[key] += per_token.sum() / norm
+                sums[key] += per_token.sum() / global_tokens
 
     # ------------------------------------------------------------------ state
 
     @property
     def ckpt_settings(self):
         return self.cfg.checkpointing
+
+    def checkpoint_snapshot(self, directory: str) -> dict:
+        # a save between a generation and its update (a preemption) finds the policy gathered
+        distributed.reshard(self.model, self.sharded)
+        return super().checkpoint_snapshot(directory)
 
 
 def enable_activation_checkpointing(model) -> None:

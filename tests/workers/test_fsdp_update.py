@@ -1,17 +1,20 @@
 """Two FSDP2 ranks (gloo, CPU) take the same optimizer step as one worker on the whole batch,
-with several packed micro-batches per step (gradients reduce-scattered once, at the last)."""
+with several packed micro-batches per step (gradients reduce-scattered once, at the last); also
+with a KL reference (sharded or a whole copy per rank) and with the parameters left gathered by
+the generation before the update."""
 
 import json
 import os
 import socket
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from rlscale.config import load_config
 from rlscale.workers.batch import build_train_batch
-from rlscale.workers.policy import PolicyWorker
+from rlscale.workers.policy import PolicyWorker, SamplingParams
 
 OVERRIDES = ["policy.train_micro_batch_tokens=32", "policy.max_total_sequence_length=32", "policy.cpu_threads=1",
              "loss.reference_policy_kl_penalty=0"]
@@ -29,34 +32,67 @@ def one_step(worker: PolicyWorker, rows: list[int]) -> dict:
     return worker.train([batch], [float(sum(map(len, every)))], len(TEXTS), 2)
 
 
+def two_steps(worker: PolicyWorker, rows: list[int]) -> tuple[dict, dict]:
+    """Whole weights after the first step (Adam's second step turns float noise in near-zero
+    gradients into sign flips), and the second step's stats (the policy has left the reference)."""
+    one_step(worker, rows)
+    weights = whole_weights(worker)
+    return weights, one_step(worker, rows)
+
+
 def whole_weights(worker) -> dict[str, torch.Tensor]:
     return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for name, p in worker.model.named_parameters()}
 
 
-def rank_main(rank: int, world: int, port: int, out: str) -> None:
+def rank_main(rank: int, world: int, port: int, out: str, overrides: list[str], generate_first: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    worker = PolicyWorker(load_config(None, OVERRIDES), rank, world)
-    stats = one_step(worker, list(range(rank, len(TEXTS), world)))
-    weights = whole_weights(worker)
+    worker = PolicyWorker(load_config(None, overrides), rank, world)
+    if generate_first:
+        generate_then_check_gathered(worker)
+    weights, stats = two_steps(worker, list(range(rank, len(TEXTS), world)))
+    assert all(p.to_local().numel() < p.numel() for p in worker.model.parameters() if p.numel() > 1), \
+        "the update's last backward reshards the parameters the generation left gathered"
+    with open(f"{out}/sharded-{rank}.json", "w") as f:
+        json.dump(stats, f)
     if rank == 0:
         save_file(weights, f"{out}/sharded.safetensors")
-        with open(f"{out}/sharded.json", "w") as f:
-            json.dump(stats, f)
     torch.distributed.destroy_process_group()
 
 
-def test_two_sharded_ranks_match_one_worker_over_several_micro_batches(tmp_path):
+def generate_then_check_gathered(worker: PolicyWorker) -> None:
+    worker.generate(["1+1="], SamplingParams(max_new_tokens=3, temperature=0.0), update_follows=True)
+    layer = worker.model.get_decoder().layers[0]
+    assert all(not hasattr(p, "to_local") for p in layer.parameters()), "left gathered for the update"
+
+
+CASES = {
+    "no_reference": (OVERRIDES, False),
+    "sharded_reference_after_generation": (
+        [*OVERRIDES[:-1], "loss.reference_policy_kl_penalty=0.05", "policy.shard_reference=true"], True),
+    "whole_reference_after_generation": (
+        [*OVERRIDES[:-1], "loss.reference_policy_kl_penalty=0.05", "policy.shard_reference=false"], True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_sharded_ranks_match_one_worker_over_several_micro_batches(tmp_path, case):
+    overrides, generate_first = CASES[case]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(rank_main, args=(2, port, str(tmp_path), overrides, generate_first), nprocs=2, join=True)
     torch.set_num_threads(1)
-    single = PolicyWorker(load_config(None, OVERRIDES))
-    stats = one_step(single, list(range(len(TEXTS))))
-    sharded_stats = json.loads((tmp_path / "sharded.json").read_text())
+    single = PolicyWorker(load_config(None, overrides))
+    single_weights, stats = two_steps(single, list(range(len(TEXTS))))
+    per_rank = [json.loads((tmp_path / f"sharded-{r}.json").read_text()) for r in range(2)]
+    # each rank reports its share of the global token mean; grad_norm is global already
+    sharded_stats = {"grad_norm": per_rank[0]["grad_norm"], "kl": sum(r["kl"] for r in per_rank)}
     assert abs(sharded_stats["grad_norm"] - stats["grad_norm"]) < 1e-5 * max(1.0, stats["grad_norm"])
+    assert abs(sharded_stats["kl"] - stats["kl"]) < 1e-6 * max(1.0, stats["kl"])
+    if "loss.reference_policy_kl_penalty=0.05" in overrides:
+        assert stats["kl"] > 0
     sharded = load_file(tmp_path / "sharded.safetensors")
-    for name, value in whole_weights(single).items():
+    for name, value in single_weights.items():
         torch.testing.assert_close(sharded[name], value, atol=1e-6, rtol=1e-5, msg=name)
