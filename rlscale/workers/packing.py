@@ -17,26 +17,42 @@ from rlscale.workers.batch import TrainBatch
 
 
 def plan_packs(lengths: list[int], budget: int) -> list[list[int]]:
-    """First-fit decreasing: indices of `lengths` grouped so that each group sums to ≤ budget.
+    """Indices of `lengths` grouped so that each group sums to ≤ budget, groups near-equal in tokens.
 
-    Deterministic (ties keep index order); documents keep their index order inside a group.
+    As many groups as first-fit decreasing needs; then each document, longest first, joins the
+    group with the most room. Equal groups mean no micro-batch is a small remainder: a remainder
+    runs small, inefficient kernels, and under FSDP2 the gradient reduce-scatter, issued during
+    the last micro-batch's backward, would have little compute to hide behind.
+    Deterministic (ties go to the lower group); documents keep their index order inside a group.
     A document longer than the budget gets a group of its own.
     """
     if budget < 1:
         raise ValueError(f"token budget must be positive, got {budget}")
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups: list[list[int]] = []
-    room: list[int] = []
+    count = _first_fit_groups(lengths, order, budget)
+    groups: list[list[int]] = [[] for _ in range(count)]
+    room = [budget] * count
     for i in order:
-        for g, free in enumerate(room):
-            if lengths[i] <= free:
-                groups[g].append(i)
-                room[g] -= lengths[i]
-                break
-        else:
+        g = max(range(len(room)), key=room.__getitem__) if room else None
+        if g is None or lengths[i] > room[g]:  # fits nowhere: a group of its own
             groups.append([i])
             room.append(budget - lengths[i])
-    return [sorted(g) for g in groups]
+        else:
+            groups[g].append(i)
+            room[g] -= lengths[i]
+    return [sorted(g) for g in groups if g]
+
+
+def _first_fit_groups(lengths: list[int], order: list[int], budget: int) -> int:
+    """How many groups first-fit decreasing fills (a near-minimal count)."""
+    room: list[int] = []
+    for i in order:
+        g = next((g for g, free in enumerate(room) if lengths[i] <= free), None)
+        if g is None:
+            room.append(budget - lengths[i])
+        else:
+            room[g] -= lengths[i]
+    return len(room)
 
 
 @dataclass

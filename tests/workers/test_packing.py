@@ -18,9 +18,19 @@ def test_plan_packs_respects_the_budget_and_keeps_every_document_once():
     packs = plan_packs(lengths, 10)
     assert sorted(i for p in packs for i in p) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in p) <= 10 for p in packs)
-    assert packs == [[2, 6], [3, 7], [0, 1], [4, 5]]  # first-fit decreasing: 9+1, 8+2, 7+3, 5+5
+    assert packs == [[2, 6], [3, 7], [0, 1], [4, 5]]  # 9+1, 8+2, 7+3, 5+5
     assert plan_packs(lengths, 10) == packs  # deterministic
-    assert plan_packs([12, 3], 10) == [[0], [1]]  # too long: alone
+    assert sorted(plan_packs([12, 3], 10)) == [[0], [1]]  # too long: alone
+    assert plan_packs([], 10) == []
+
+
+def test_plan_packs_leaves_no_small_remainder():
+    # 128 samples of 262 tokens in 32,768-token micro-batches: first-fit would make 125 + 3
+    packs = plan_packs([262] * 128, 32768)
+    assert [len(p) for p in packs] == [64, 64]
+    lengths = [300 - i for i in range(100)]  # uneven lengths: token totals within one document
+    totals = [sum(lengths[i] for i in p) for p in plan_packs(lengths, 10000)]
+    assert len(totals) == 3 and max(totals) <= 10000 and max(totals) - min(totals) <= max(lengths)
 
 
 def test_pack_batch_layout():
