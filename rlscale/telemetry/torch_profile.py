@@ -11,6 +11,7 @@ enough to bring back from a remote machine, and say where a step's time goes.
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,6 +25,7 @@ class CallProfiler:
     def __init__(self, rank: int):
         self.rank = rank
         self.calls: dict[str, int] = {}
+        self._marks: list[tuple[str, float]] | None = None  # set while a call is profiled
 
     @contextmanager
     def around(self, method: str):
@@ -35,13 +37,33 @@ class CallProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        with profile(activities=activities) as prof:
-            yield
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+        self._marks = []
+        self.mark("start")
+        try:
+            with profile(activities=activities) as prof:
+                yield
+                self.mark("end")
+            marks = self._marks
+        finally:
+            self._marks = None
         path = Path(directory) / f"rank{self.rank}-{method}-call{count}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(profile_tables(prof))
+        path.write_text(sections_table(marks) + profile_tables(prof))
+
+    def mark(self, name: str) -> None:
+        """End of a named section of a profiled call (device work included: it synchronises);
+        free when the call is not profiled."""
+        if self._marks is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._marks.append((name, time.perf_counter()))
+
+
+def sections_table(marks: list[tuple[str, float]]) -> str:
+    """Wall time of each section, from one mark to the next."""
+    lines = ["## sections (wall, device synchronised at each mark)"]
+    lines += [f"{name:<32}{(t - before) * 1e3:10.2f} ms" for (_, before), (name, t) in zip(marks, marks[1:])]
+    return "\n".join(lines) + "\n\n"
 
 
 def profile_tables(prof, rows: int = 40) -> str:

@@ -120,11 +120,13 @@ class PolicyWorker(state_io.CheckpointableWorker):
         tok = self.tokenizer
         with distributed.gathered(self.model, self.sharded, keep=update_follows):
             engine.sync_weights(self.model)  # in place, device to device; the engine then decodes alone
+        self.profiler.mark("gather and sync weights")
         out = engine.generate(
             prompt_ids, params.max_new_tokens, SamplingMode(params.temperature, params.top_p, params.top_k),
             eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
             stop_check=StopStrings(tok, params.stop_strings) if params.stop_strings else None)
         self.last_generation_timings = out.timings
+        self.profiler.mark("engine generate")
         decoded = tok.batch_decode(out.tokens, skip_special_tokens=True)
         return Rollouts(prompt_ids=prompt_ids, response_ids=out.tokens, texts=decoded,
                         truncated=[not stopped for stopped in out.stopped], logprobs=out.logprobs)
@@ -234,6 +236,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         old = [self.compute_logprobs(b, micro_batch_size=micro_batch_size) if multi_step else None for b in steps]
         ref = [self.compute_logprobs(b, reference=True, micro_batch_size=micro_batch_size)
                if self.reference is not None else None for b in steps]
+        self.profiler.mark("old and reference logprobs")
         totals: dict[str, float] = {}
         budget = self._token_budget(micro_batch_size)
         for i, batch in enumerate(steps):
@@ -264,15 +267,19 @@ class PolicyWorker(state_io.CheckpointableWorker):
         seq_norm = global_samples / self.world_size
         response_lengths = batch.response_mask.sum(1).clamp_min(1)
         micro_batches = self._micro_batches(batch, budget)
+        self.profiler.mark("pack micro-batches")
         with distributed.accumulating(self.model, self.sharded):
             for i, mb in enumerate(micro_batches):
                 distributed.last_micro_batch(self.model, i == len(micro_batches) - 1, self.sharded)
                 self._accumulate(mb, batch, old_all, ref_all, norm, seq_norm, response_lengths, sums)
+                self.profiler.mark(f"micro-batch {i} forward+backward")
         max_norm = self.cfg.policy.max_grad_norm or math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.profiler.mark("clip gradients")
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
+        self.profiler.mark("optimizer step")
         stats = {key: float(value) for key, value in sums.items()}
         stats.update(grad_norm=distributed.as_float(grad_norm), lr=lr)
         return stats

@@ -11,9 +11,12 @@ def test_profiles_only_the_chosen_call(tmp_path, monkeypatch):
     for _ in range(3):
         with profiler.around("train"):
             (x @ x).sum()
+            profiler.mark("matmul")
     assert [p.name for p in tmp_path.iterdir()] == ["rank1-train-call2.txt"]
     text = (tmp_path / "rank1-train-call2.txt").read_text()
     assert "by CPU time" in text and "aten::mm" in text
+    sections = text.split("\n\n")[0].splitlines()
+    assert sections[0].startswith("## sections") and [line.split()[0] for line in sections[1:]] == ["matmul", "end"]
 
 
 def test_off_without_the_directory(tmp_path, monkeypatch):
