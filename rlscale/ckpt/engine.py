@@ -15,8 +15,10 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -25,18 +27,32 @@ from rlscale.ckpt import tensorfile
 from rlscale.ckpt.faults import maybe_fault
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class FileSpec:
-    """One file of a rank's share: tensors (written as safetensors) or ready bytes (JSON etc.)."""
+    """One file of a rank's share: tensors (written as safetensors) or ready bytes (JSON etc.).
+
+    What it derives from its tensors is computed once: a worker passes the same FileSpec save
+    after save while its tensors are the same (updated in place), and then a snapshot does no
+    per-tensor Python work. It must not be changed once made (hence frozen)."""
 
     rel: str
     tensors: dict[str, torch.Tensor] | None = None
     data: bytes | None = None
     metadata: dict[str, str] | None = None
 
+    @cached_property
     def plan(self) -> tensorfile.FilePlan:
-        specs = [(name, t.dtype, tuple(t.shape)) for name, t in self.tensors.items()]
-        return tensorfile.plan_file(specs, self.metadata)
+        specs = tuple((name, t.dtype, tuple(t.shape)) for name, t in self.tensors.items())
+        return tensorfile.cached_plan(specs, tuple(sorted((self.metadata or {}).items())))
+
+    @cached_property
+    def sources(self) -> list[torch.Tensor]:
+        """The tensors in the file's order, detached: what every save copies."""
+        return [self.tensors[slot.name].detach() for slot in self.plan.slots]
+
+    @cached_property
+    def device_sources(self) -> list[torch.Tensor]:
+        return [t for t in self.sources if t.is_cuda]
 
 
 class RankEngine:
@@ -47,6 +63,8 @@ class RankEngine:
         self._arena: HostArena | None = None
         self._layout: dict[str, tuple[int, int]] = {}  # rel -> (offset, size) in the arena
         self._buffers: dict[str, torch.Tensor] = {}  # rel -> staging buffer, reused across saves
+        self._targets: dict[str, tuple] = {}  # rel -> (plan, buffer, tensorfile.destinations of them)
+        self._recorded = weakref.WeakSet()  # FileSpecs whose device tensors are recorded on _stream
         self._pending: list[Future] = []
         self._started = 0.0
         self._stream = None  # side stream for device-to-host copies
@@ -72,9 +90,10 @@ class RankEngine:
         directory = Path(directory)
         for parent in {(directory / f.rel).parent for f in files}:
             parent.mkdir(parents=True, exist_ok=True)
-        plans = {f.rel: f.plan() for f in files if f.tensors is not None}
+        tensor_files = [f for f in files if f.tensors is not None]
+        plans = {f.rel: f.plan for f in tensor_files}
         self._fit_buffers(plans)
-        on_device = [t for f in files if f.tensors for t in f.tensors.values() if t.is_cuda]
+        on_device = [t for f in tensor_files for t in f.device_sources]
         stream = self._copy_stream(on_device)
         staged, direct, total = [], [], 0
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -84,18 +103,16 @@ class RankEngine:
                     total += len(spec.data)
                     staged.append((_write_bytes, path, spec.rel, spec.data))
                     continue
-                plan = plans[spec.rel]
-                total += plan.size
+                total += spec.plan.size
                 if spec.rel in self._buffers:
-                    buffer = self._buffers[spec.rel][: plan.size]
-                    tensorfile.fill(buffer, plan, spec.tensors)
+                    buffer = self._buffers[spec.rel]
+                    tensorfile.fill_views(self._destinations(spec.rel, spec.plan, buffer), spec.plan, spec.sources)
                     staged.append((_write_buffer, path, spec.rel, buffer))
                 else:  # over the budget: written now, through a buffer freed when written
-                    direct.append(self._pool.submit(_write_direct, path, spec.rel, plan, spec.tensors))
+                    direct.append(self._pool.submit(_write_direct, path, spec.rel, spec.plan, spec.tensors))
         ready = None
         if stream is not None:
-            for tensor in on_device:  # the allocator must not hand their memory out mid-copy
-                tensor.record_stream(stream)
+            self._record_on(stream, tensor_files)
             ready = self._copied = torch.cuda.Event()
             ready.record(stream)
         done, _ = wait(direct)
@@ -117,6 +134,24 @@ class RankEngine:
         self._stream.wait_stream(torch.cuda.current_stream(on_device[0].device))
         return self._stream
 
+    def _record_on(self, stream, files: list[FileSpec]) -> None:
+        """Tell the caching allocator that `stream` reads the files' device tensors, so their memory
+        is not handed out again before the copies are done. Once per FileSpec: it keeps its tensors
+        alive, and when they are freed the allocator waits for all the stream's work queued by then."""
+        for spec in files:
+            if spec.device_sources and spec not in self._recorded:
+                for tensor in spec.device_sources:
+                    tensor.record_stream(stream)
+                self._recorded.add(spec)
+
+    def _destinations(self, rel: str, plan: tensorfile.FilePlan, buffer: torch.Tensor) -> tuple:
+        """The views of `buffer` a file is copied into, made once per (plan, buffer): thousands of
+        small tensors' .view calls would otherwise be the largest part of a warm snapshot."""
+        cached = self._targets.get(rel)
+        if cached is None or cached[0] is not plan or cached[1] is not buffer:
+            cached = self._targets[rel] = (plan, buffer, tensorfile.destinations(buffer, plan))
+        return cached[2]
+
     def fence(self) -> None:
         """Make the current stream wait for the last snapshot's device copies (a GPU-side wait;
         the CPU goes on). Call before changing any tensor a snapshot may still be reading."""
@@ -136,7 +171,9 @@ class RankEngine:
             if self._arena is not None:
                 self._arena.release()
             self._arena, self._layout = HostArena(used, self.pinned), layout
-        self._buffers = {rel: self._arena.tensor[start:start + size] for rel, (start, size) in layout.items()}
+            # the same buffer objects while the layout holds: _destinations keys its views on them
+            self._buffers = {rel: self._arena.tensor[start:start + size] for rel, (start, size) in layout.items()}
+            self._targets.clear()
 
     def finish(self) -> dict:
         """Wait for this save's writers; returns {"files": {rel: [size, checksum]}, "persist_s"}.
@@ -169,6 +206,7 @@ class RankEngine:
         self.abort()
         self._pool.shutdown(wait=True)
         self._buffers.clear()
+        self._targets.clear()
         if self._arena is not None:
             self._arena.release()
             self._arena = None

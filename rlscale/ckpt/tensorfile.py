@@ -9,10 +9,12 @@ reverse: one sequential read into a buffer, then tensor views of it. Nothing is 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import xxhash
@@ -46,6 +48,10 @@ class FilePlan:
     def size(self) -> int:
         return self.slots[-1].end if self.slots else len(self.header)
 
+    @cached_property
+    def header_tensor(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(self.header), dtype=torch.uint8)
+
 
 def plan_file(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> FilePlan:
     """Lay out tensors (name, dtype, shape) in a file. Wider elements go first, so every tensor
@@ -64,6 +70,14 @@ def plan_file(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: d
     header = struct.pack("<Q", len(text)) + text
     base = len(header)
     return FilePlan(header, tuple(Slot(n, d, s, base + a, base + b) for n, d, s, a, b in ranges))
+
+
+@functools.lru_cache(maxsize=128)
+def cached_plan(specs: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...],
+                metadata: tuple[tuple[str, str], ...] = ()) -> FilePlan:
+    """plan_file, memoised: a file of the same tensors (a sharded rank gathers fresh ones every
+    save) gets the same plan object back without its JSON header being made again."""
+    return plan_file(list(specs), dict(metadata))
 
 
 def _numel(shape) -> int:
@@ -110,13 +124,23 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def fill(buffer: torch.Tensor, plan: FilePlan, tensors: dict[str, torch.Tensor]) -> None:
     """Copy a file's header and tensors into `buffer` (uint8, at least plan.size long).
     From CUDA into pinned memory the copies are asynchronous: synchronise before reading it."""
-    buffer[: len(plan.header)].copy_(torch.frombuffer(bytearray(plan.header), dtype=torch.uint8))
-    targets = list(views(buffer, plan).values())
-    sources = [tensors[slot.name].detach() for slot in plan.slots]
+    fill_views(destinations(buffer, plan), plan, [tensors[slot.name].detach() for slot in plan.slots])
+
+
+def destinations(buffer: torch.Tensor, plan: FilePlan) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Where fill_views copies a file in `buffer`: its header bytes, and a view per slot. They
+    depend only on the buffer and the plan, so a caller that keeps both may keep these too."""
+    return buffer[: len(plan.header)], list(views(buffer, plan).values())
+
+
+def fill_views(targets: tuple[torch.Tensor, list[torch.Tensor]], plan: FilePlan, sources: list[torch.Tensor]) -> None:
+    """Copy the header and `sources` (in plan.slots order) into destinations(buffer, plan)."""
+    header, slots = targets
+    header.copy_(plan.header_tensor)
     try:  # one call queues every copy: no per-tensor Python overhead while the loop waits
-        torch._foreach_copy_(targets, sources, non_blocking=True)
+        torch._foreach_copy_(slots, sources, non_blocking=True)
     except (RuntimeError, TypeError, AttributeError):
-        for target, source in zip(targets, sources):
+        for target, source in zip(slots, sources):
             target.copy_(source, non_blocking=True)
 
 

@@ -11,6 +11,11 @@ Saving is spread over ranks: rank r writes the parameters in its contiguous, byt
 of the parameter list (weights and moments together); FSDP2-sharded tensors are gathered for it
 (see rlscale/ckpt/sharded.py). Files hold whole tensors keyed by name, so any worker count,
 sharded or not, loads any checkpoint: each rank reads every weight and moment file.
+
+A worker that is not sharded saves the same tensors, updated in place, save after save: it keeps
+the weight and moment files' FileSpecs while state_signature is unchanged, so a warm snapshot
+does little more than queue the copies. Only the small files (param groups and scheduler, RNG)
+are made anew every save.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import random
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,12 +57,25 @@ def model_tensors(model) -> dict[str, torch.Tensor]:
 
 def optimizer_flat(model, optimizer, scheduler) -> tuple[dict[str, torch.Tensor], dict]:
     """AdamW state keyed by parameter name (not position), so it survives re-sharding."""
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    tensors = {f"{name_of[id(p)]}::{key}": value for p, state in optimizer.state.items()
-               for key, value in state.items() if isinstance(value, torch.Tensor)}
+    name_of = param_names(model)
+    return optimizer_moments(optimizer, name_of), optimizer_meta(optimizer, scheduler, name_of)
+
+
+def param_names(model) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def optimizer_moments(optimizer, name_of: dict[int, str]) -> dict[str, torch.Tensor]:
+    """The optimizer's state tensors as "<param name>::<key>"."""
+    return {f"{name_of[id(p)]}::{key}": value for p, state in optimizer.state.items()
+            for key, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def optimizer_meta(optimizer, scheduler, name_of: dict[int, str]) -> dict:
+    """Param groups (hyperparameters, parameters by name) and the LR scheduler: optim/meta.json."""
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(p)] for p in g["params"]]}
               for g in optimizer.param_groups]
-    return tensors, {"param_groups": groups, "scheduler": scheduler.state_dict()}
+    return {"param_groups": groups, "scheduler": scheduler.state_dict()}
 
 
 def split_by_bytes(sizes: list[int], parts: int) -> list[range]:
@@ -72,11 +91,22 @@ def split_by_bytes(sizes: list[int], parts: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def rank_files(worker, writers: int) -> tuple[list[FileSpec], dict[str, str]]:
-    """This rank's files for a save, and its weight map (name -> file name inside policy/)."""
+@dataclass(frozen=True)
+class TensorFiles:
+    """A rank's weight and moment files, and what the controller's weight index needs from it."""
+
+    files: list[FileSpec]
+    weight_map: dict[str, str]  # weight name -> file name inside policy/
+    weight_bytes: int
+    param_names: dict[int, str]  # id(parameter) -> name, as the moments were named
+
+
+def tensor_files(worker, writers: int) -> TensorFiles:
+    """This rank's share of the weights and AdamW moments, in `writers` pairs of files."""
     rank, world = worker.rank, worker.world_size
     weights = model_tensors(worker.model)
-    moments, meta = optimizer_flat(worker.model, worker.optimizer, worker.scheduler)
+    name_of = param_names(worker.model)
+    moments = optimizer_moments(worker.optimizer, name_of)
     by_param: dict[str, dict[str, torch.Tensor]] = {}
     for flat, tensor in moments.items():
         by_param.setdefault(flat.split("::")[0], {})[flat] = tensor
@@ -99,13 +129,49 @@ def rank_files(worker, writers: int) -> tuple[list[FileSpec], dict[str, str]]:
         optim = {k: v for n in chosen for k, v in by_param.get(n, {}).items()}
         if optim:
             files.append(FileSpec(f"{OPTIM_DIR}/optim-r{rank:03d}-{j:03d}.safetensors", optim))
-    if rank == 0:
+    return TensorFiles(files, weight_map, sum(_nbytes(weights[n]) for n in weight_map), name_of)
+
+
+def small_files(worker, name_of: dict[int, str]) -> list[FileSpec]:
+    """The files made anew at every save: param groups and LR scheduler, the Hugging Face side
+    files (rank 0) and this rank's RNG states. `name_of`: param_names(worker.model)."""
+    files = []
+    if worker.rank == 0:
+        meta = optimizer_meta(worker.optimizer, worker.scheduler, name_of)
         files.append(FileSpec(OPTIM_META, data=json.dumps(meta).encode()))
         files += [FileSpec(f"{POLICY_DIR}/{name}", data=blob) for name, blob in hf_side_files(worker).items()]
     rng_tensors, rng_meta = rng_state()
-    files.append(FileSpec(f"{RNG_DIR}/rank{rank}.safetensors", rng_tensors))
-    files.append(FileSpec(f"{RNG_DIR}/rank{rank}.json", data=json.dumps(rng_meta).encode()))
-    return files, weight_map
+    files.append(FileSpec(f"{RNG_DIR}/rank{worker.rank}.safetensors", rng_tensors))
+    files.append(FileSpec(f"{RNG_DIR}/rank{worker.rank}.json", data=json.dumps(rng_meta).encode()))
+    return files
+
+
+def state_signature(model, optimizer) -> tuple | None:
+    """What a rank's tensor files read: every parameter and buffer (by name and object) and every
+    optimizer state tensor (by parameter and key), each with the memory it occupies (pointer,
+    shape, strides, dtype, device). Equal signatures mean files made for the first would read
+    the same memory under the same names now: true across in-place updates (optimizer.step, a
+    load into the existing tensors), false once a tensor is replaced, moved or added. None when
+    a tensor is sharded: those are gathered into fresh whole tensors at every save."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    states = [(id(p), key, value) for p, state in optimizer.state.items()
+              for key, value in state.items() if isinstance(value, torch.Tensor)]
+    tensors = [t for _, t in named] + [value for _, _, value in states]
+    if any(map(sharded.is_sharded, tensors)):
+        return None
+    owners = tuple((name, id(t)) for name, t in named) + tuple((pid, key) for pid, key, _ in states)
+    return owners, tuple(map(_memory, tensors))
+
+
+def _memory(tensor: torch.Tensor) -> tuple:
+    return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
+
+
+def reads_only(made: TensorFiles, signature: tuple) -> bool:
+    """Whether every tensor in the files is one the signature watches (not, say, a copy that a
+    state_dict hook made): only then may the files be reused while the signature holds."""
+    watched = set(signature[1])
+    return all(_memory(t) in watched for f in made.files for t in f.tensors.values())
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -159,7 +225,7 @@ def load_worker_state(worker, step_dir: str | Path, manifest: dict, verify_check
     files = manifest["files"]
     targets = model_tensors(worker.model)
     params = dict(worker.model.named_parameters())
-    existing = optimizer_flat(worker.model, worker.optimizer, worker.scheduler)[0]
+    existing = optimizer_moments(worker.optimizer, param_names(worker.model))
     rng_file = f"{RNG_DIR}/rank{worker.rank}.safetensors"
     wanted = [rel for rel in files if rel.endswith(".safetensors")
               and (rel.startswith((f"{POLICY_DIR}/", f"{OPTIM_DIR}/")) or rel == rng_file)]
@@ -248,7 +314,7 @@ def _load_optimizer(worker, moments: dict[str, torch.Tensor], meta: dict, step_d
 
 
 def _names_of(model, params) -> list[str]:
-    name_of = {id(p): n for n, p in model.named_parameters()}
+    name_of = param_names(model)
     return [name_of[id(p)] for p in params]
 
 
@@ -268,10 +334,26 @@ class CheckpointableWorker:
 
     def checkpoint_snapshot(self, directory: str) -> dict:
         engine = self._ckpt_engine()
-        files, weight_map = rank_files(self, self.ckpt_settings.writers_per_rank)
-        weight_bytes = sum(_nbytes(t) for f in files if f.rel.startswith(f"{POLICY_DIR}/") and f.tensors
-                           for t in f.tensors.values())
-        return {**engine.snapshot(directory, files), "weight_map": weight_map, "weight_bytes": weight_bytes}
+        tensors = self._ckpt_tensor_files()
+        # a reused TensorFiles' param_names are still right: the signature holds every parameter's id
+        return {**engine.snapshot(directory, tensors.files + small_files(self, tensors.param_names)),
+                "weight_map": tensors.weight_map, "weight_bytes": tensors.weight_bytes}
+
+    def _ckpt_tensor_files(self) -> TensorFiles:
+        """The last save's tensor files while the state's signature and the file split are
+        unchanged: the same FileSpecs, so the engine reuses their plans and views. Made anew
+        otherwise (a new optimizer state, a moved tensor), and always when sharded. The kept
+        files hold their tensors, so no new tensor can take their memory and match a stale
+        signature; replaced tensors stay allocated until the next save or load."""
+        writers = self.ckpt_settings.writers_per_rank
+        signature = state_signature(self.model, self.optimizer)
+        key = (writers, self.rank, self.world_size, signature)
+        cached = getattr(self, "_ckpt_tensors", None)
+        if signature is not None and cached is not None and cached[0] == key:
+            return cached[1]
+        made = tensor_files(self, writers)
+        self._ckpt_tensors = (key, made) if signature is not None and reads_only(made, signature) else None
+        return made
 
     def checkpoint_finish(self) -> dict:
         return self._ckpt_engine().finish()
@@ -284,4 +366,5 @@ class CheckpointableWorker:
 
     def load_checkpoint_shard(self, directory: str, manifest: dict, verify_checksums: bool = False) -> None:
         self._ckpt_engine().fence()  # loading writes into the tensors in place
+        self._ckpt_tensors = None  # may hold tensors the load replaces: let them go
         load_worker_state(self, directory, manifest, verify_checksums, self.ckpt_settings.writers_per_rank)

@@ -78,6 +78,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, root: str, out: 
             tmp = str(Path(root) / layout.tmp_dir_name(2))
             group.run_all("checkpoint_snapshot", [(tmp,)] * world)
             wait_for_writers(group)  # mirrors rank 0's commit thread, poll for poll
+        assert worker._ckpt_tensors is None  # sharded: whole tensors are gathered afresh every save
         dist.barrier()
     finally:
         dist.destroy_process_group()
