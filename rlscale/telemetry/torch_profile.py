@@ -2,22 +2,24 @@
 
     RLSCALE_PROFILE_DIR=/tmp/prof RLSCALE_PROFILE_CALL=3 rlscale train ...
 
-writes `rank{r}-{method}-call{N}.txt` (operators by device time and by CPU time) for every
-profiled method (`generate`, `train`). Off unless RLSCALE_PROFILE_DIR is set; Ray workers get
-the variable from the driver (see workers/ray_group.py). Tables, not traces: they stay small
-enough to bring back from a remote machine, and say where a step's time goes.
+writes `rank{r}-{method}-call{N}.txt` for every profiled method (`generate`, `train`): wall time
+per section (see `mark`), then operators by device time and by CPU time. Off unless
+RLSCALE_PROFILE_DIR is set; Ray workers get the variables from the driver (see
+workers/ray_group.py). Tables, not traces: they stay small enough to bring back from a remote
+machine. The profiler's own per-operator cost inflates CPU-heavy sections; RLSCALE_PROFILE_TORCH=0
+keeps only the section times, measured without it.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
-DIR_VARIABLE, CALL_VARIABLE = "RLSCALE_PROFILE_DIR", "RLSCALE_PROFILE_CALL"
+DIR_VARIABLE, CALL_VARIABLE, TORCH_VARIABLE = "RLSCALE_PROFILE_DIR", "RLSCALE_PROFILE_CALL", "RLSCALE_PROFILE_TORCH"
 DEFAULT_CALL = 3  # the first calls compile and capture; the third is a steady one
 
 
@@ -37,10 +39,11 @@ class CallProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with_torch = os.environ.get(TORCH_VARIABLE, "1") != "0"
         self._marks = []
         self.mark("start")
         try:
-            with profile(activities=activities) as prof:
+            with profile(activities=activities) if with_torch else nullcontext() as prof:
                 yield
                 self.mark("end")
             marks = self._marks
@@ -48,7 +51,7 @@ class CallProfiler:
             self._marks = None
         path = Path(directory) / f"rank{self.rank}-{method}-call{count}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(sections_table(marks) + profile_tables(prof))
+        path.write_text(sections_table(marks) + (profile_tables(prof) if with_torch else ""))
 
     def mark(self, name: str) -> None:
         """End of a named section of a profiled call (device work included: it synchronises);

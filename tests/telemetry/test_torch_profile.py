@@ -1,6 +1,6 @@
 import torch
 
-from rlscale.telemetry.torch_profile import CALL_VARIABLE, DIR_VARIABLE, CallProfiler
+from rlscale.telemetry.torch_profile import CALL_VARIABLE, DIR_VARIABLE, TORCH_VARIABLE, CallProfiler
 
 
 def test_profiles_only_the_chosen_call(tmp_path, monkeypatch):
@@ -27,3 +27,14 @@ def test_off_without_the_directory(tmp_path, monkeypatch):
         torch.ones(2).sum()
     assert profiler.calls == {"generate": 1}
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sections_only_without_the_torch_profiler(tmp_path, monkeypatch):
+    monkeypatch.setenv(DIR_VARIABLE, str(tmp_path))
+    monkeypatch.setenv(CALL_VARIABLE, "1")
+    monkeypatch.setenv(TORCH_VARIABLE, "0")
+    profiler = CallProfiler(rank=0)
+    with profiler.around("generate"):
+        profiler.mark("first")
+    text = (tmp_path / "rank0-generate-call1.txt").read_text()
+    assert text.startswith("## sections") and "first" in text and "aten::" not in text
