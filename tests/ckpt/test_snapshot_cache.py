@@ -13,6 +13,14 @@ from rlscale.workers.state_io import state_signature
 from tests.ckpt.conftest import assert_same_state, checkpointer_for, full_state, make_group, train_steps
 
 
+def trained_worker(make_cfg):
+    """A one-worker group after a few training steps (AdamW moments exist), and its checkpointer."""
+    cfg = make_cfg()
+    group = make_group(cfg)
+    train_steps(group.workers[0])
+    return cfg, group, group.workers[0], checkpointer_for(cfg)
+
+
 def saved_state(cfg, ckpt, step):
     """What a fresh worker holds after loading `step`."""
     fresh = make_group(cfg)
@@ -29,11 +37,7 @@ def save(ckpt, group, step):
 
 
 def test_saves_after_in_place_updates_reuse_the_files_and_write_each_save_state(make_cfg):
-    cfg = make_cfg()
-    group = make_group(cfg)
-    worker = group.workers[0]
-    train_steps(worker)
-    ckpt = checkpointer_for(cfg)
+    cfg, group, worker, ckpt = trained_worker(make_cfg)
     first_state, first_files = save(ckpt, group, 1)
     views = {rel: entry[2] for rel, entry in worker._engine._targets.items()}
     train_steps(worker, steps=1, seed=1)  # weights, moments, scheduler and RNG all move, in place
@@ -48,11 +52,7 @@ def test_saves_after_in_place_updates_reuse_the_files_and_write_each_save_state(
 
 
 def test_rng_and_scheduler_files_are_made_at_every_save(make_cfg):
-    cfg = make_cfg()
-    group = make_group(cfg)
-    worker = group.workers[0]
-    train_steps(worker)
-    ckpt = checkpointer_for(cfg)
+    cfg, group, worker, ckpt = trained_worker(make_cfg)
     states = [save(ckpt, group, 1)[0]]
     train_steps(worker, steps=1, seed=2)
     states.append(save(ckpt, group, 2)[0])
@@ -67,11 +67,7 @@ def test_rng_and_scheduler_files_are_made_at_every_save(make_cfg):
 
 
 def test_replaced_optimizer_state_makes_the_files_anew(make_cfg):
-    cfg = make_cfg()
-    group = make_group(cfg)
-    worker = group.workers[0]
-    train_steps(worker)
-    ckpt = checkpointer_for(cfg)
+    cfg, group, worker, ckpt = trained_worker(make_cfg)
     _, cached = save(ckpt, group, 1)
 
     # load_state_dict of a copy: new moment tensors, so a hit would save the old ones
@@ -97,11 +93,7 @@ def test_replaced_optimizer_state_makes_the_files_anew(make_cfg):
 
 
 def test_loading_into_the_worker_makes_the_files_anew(make_cfg):
-    cfg = make_cfg()
-    group = make_group(cfg)
-    worker = group.workers[0]
-    train_steps(worker)
-    ckpt = checkpointer_for(cfg)
+    cfg, group, worker, ckpt = trained_worker(make_cfg)
     first_state, cached = save(ckpt, group, 1)
     train_steps(worker, steps=1, seed=5)
     save(ckpt, group, 2)
@@ -116,11 +108,7 @@ def test_loading_into_the_worker_makes_the_files_anew(make_cfg):
 
 
 def test_a_moved_tensor_or_another_writer_count_makes_the_files_anew(make_cfg):
-    cfg = make_cfg()
-    group = make_group(cfg)
-    worker = group.workers[0]
-    train_steps(worker)
-    ckpt = checkpointer_for(cfg)
+    cfg, group, worker, ckpt = trained_worker(make_cfg)
     _, cached = save(ckpt, group, 1)
 
     norm = worker.model.model.norm.weight
