@@ -74,8 +74,17 @@ class PackedMicroBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, value in moved.items():
             if isinstance(value, torch.Tensor):
-                moved[name] = value.to(device, non_blocking=True)
+                moved[name] = to_device(value, device)
         return PackedMicroBatch(**moved)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without draining the GPU's queue: a copy from pageable memory
+    first waits for all work queued on the stream (the previous micro-batch's backward), one
+    from pinned memory is queued like a kernel (the pinned block is not reused before it ran)."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def pack_documents(docs: list[list[int]], response_starts: list[int], rows: list[int]) -> PackedMicroBatch:

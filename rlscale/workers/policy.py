@@ -21,7 +21,7 @@ from rlscale.models.packed_attention import packed_kwargs, use_packed_attention
 from rlscale.workers.batch import Rollouts, TrainBatch
 from rlscale.rollout import RolloutEngine, SamplingMode, StopStrings, round_up, unsupported_reason
 from rlscale.telemetry.torch_profile import CallProfiler
-from rlscale.workers.packing import PackedMicroBatch, filler_pack, pack_batch
+from rlscale.workers.packing import PackedMicroBatch, filler_pack, pack_batch, to_device
 from rlscale.workers import distributed, state_io
 
 
@@ -289,20 +289,20 @@ class PolicyWorker(state_io.CheckpointableWorker):
         loss_cfg = self.cfg.loss
         logprobs, entropy = self._logprobs(self.model, mb.to(self.device), with_entropy=True)
         rows, cols = mb.rows, mb.cols
-        old = logprobs.detach() if old_all is None else old_all[rows, cols].to(self.device)
-        ref = None if ref_all is None else ref_all[rows, cols].to(self.device)
+        old = logprobs.detach() if old_all is None else to_device(old_all[rows, cols], self.device)
+        ref = None if ref_all is None else to_device(ref_all[rows, cols], self.device)
         if batch.gen_logprobs is not None:
             # sampler vs trainer on the same tokens under pi_old: mean exp|difference|, 1.0 = identical
-            gen = batch.gen_logprobs[rows, cols].to(self.device)
+            gen = to_device(batch.gen_logprobs[rows, cols], self.device)
             sums["token_mult_prob_error"] += (gen - old).abs().exp().sum() / (norm * self.world_size)
         terms = grpo_token_loss(
-            logprobs[None], old[None], batch.advantages[rows][None].to(self.device),
+            logprobs[None], old[None], to_device(batch.advantages[rows][None], self.device),
             None if ref is None else ref[None], loss_cfg.ratio_clip_min, loss_cfg.ratio_clip_max,
             loss_cfg.reference_policy_kl_penalty)
         if loss_cfg.token_level_loss:  # every response token of the global batch weighs 1/tokens
             weights = torch.full_like(logprobs, 1.0 / norm)
         else:  # mean per sequence, then over the global batch's sequences
-            weights = (1.0 / (response_lengths[rows] * seq_norm)).to(self.device)
+            weights = to_device(1.0 / (response_lengths[rows] * seq_norm), self.device)
         (terms.loss[0] * weights).sum().backward()
         with torch.no_grad():
             # metrics: this worker's share of the global token mean (the controller adds the shares)
