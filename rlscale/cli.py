@@ -254,13 +254,20 @@ def bench_scale(
     steps: int = typer.Option(4, "--steps", min=2, help="GRPO steps per run; the first is not timed"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results here as JSON"),
     override: Optional[list[str]] = typer.Option(None, "--set", help="extra config override (repeatable)"),
+    profile_step: Optional[int] = typer.Option(
+        None, "--profile-step", min=2, help="time this step's phases section by section on every worker "
+        "(left out of the medians)"),
 ) -> None:
     """GRPO step time and tokens/s on 1..N Ray workers with the same work per worker."""
     from rlscale.bench.scale import QWEN2_SHAPES, format_table, run_benchmark
 
     if model not in QWEN2_SHAPES:
         raise UserError(f"--model {model!r}: choose one of {', '.join(QWEN2_SHAPES)}")
-    out = run_benchmark(model, workers, prompts_per_worker, generations, new_tokens, steps, json_file, override or [])
+    if profile_step is not None and (profile_step > steps or steps < 3):
+        raise UserError(f"--profile-step {profile_step} with --steps {steps}: the runs need at least "
+                        f"{max(3, profile_step)} steps (step 1 warms up and the profiled step is not timed)")
+    out = run_benchmark(model, workers, prompts_per_worker, generations, new_tokens, steps, json_file, override or [],
+                        profile_step)
     typer.echo(format_table(out))
 
 

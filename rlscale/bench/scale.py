@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from rlscale.bench import write_result
+from rlscale.telemetry.torch_profile import CALL_VARIABLE, DIR_VARIABLE, TORCH_VARIABLE
 
 QWEN2_SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -70,7 +71,10 @@ def save_random_qwen2(params: dict, tokenizer, out_dir: Path) -> None:
 
 
 def run_one(model_dir: Path, workers: int, prompts_per_worker: int, generations: int, new_tokens: int,
-            steps: int, log_dir: Path, extra: list[str]) -> dict:
+            steps: int, log_dir: Path, extra: list[str], profile_step: int | None = None) -> dict:
+    """One `rlscale train` run; medians over its steps after the first. profile_step: that step's
+    generate and train are timed section by section on every worker (synchronised at each
+    section's end, so the step is left out of the medians) into the result's `sections_ms`."""
     prompts = prompts_per_worker * workers
     overrides = [
         f"policy.model_name={model_dir}", f"cluster.gpus_per_node={workers}", "cluster.backend=ray",
@@ -81,12 +85,20 @@ def run_one(model_dir: Path, workers: int, prompts_per_worker: int, generations:
         "checkpointing.enabled=false", "logger.progress=false", f"logger.log_dir={log_dir}",
         "data.arithmetic.num_val_problems=16", *extra,
     ]
+    env = dict(os.environ)
+    profile_dir = log_dir / "profile"
+    if profile_step is not None:
+        # validation is off, so the Nth generate and train calls are step N's
+        env.update({DIR_VARIABLE: str(profile_dir), CALL_VARIABLE: str(profile_step), TORCH_VARIABLE: "0"})
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "rlscale.cli", "train", *overrides], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "rlscale.cli", "train", *overrides], capture_output=True, text=True,
+                          env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{workers} workers: rlscale train failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "time/step_s" in r][1:]  # step 1 warms up kernels and allocators
+    # step 1 warms up kernels and allocators; a profiled step waits at every section
+    rows = [r for r in rows if "time/step_s" in r][1:]
+    rows = [r for r in rows if r.get("step") != profile_step]
     step_s = statistics.median(r["time/step_s"] for r in rows)
     tokens = statistics.median(r["throughput/tokens_per_s"] * r["time/step_s"] for r in rows)
     return {
@@ -96,18 +108,26 @@ def run_one(model_dir: Path, workers: int, prompts_per_worker: int, generations:
         "train_s": statistics.median(r["time/train_s"] for r in rows),
         "reward_s": statistics.median(r["time/reward_s"] for r in rows),
         "steps_timed": len(rows), "wall_s": time.perf_counter() - started,
+        **({"sections_ms": profiled_sections(profile_dir)} if profile_step is not None else {}),
     }
 
 
+def profiled_sections(directory: Path) -> dict[str, list]:
+    """{"rank0-train": [[section, ms], ...], ...} from the workers' profile files."""
+    return {path.name.rsplit("-call", 1)[0]: json.loads(path.read_text())["sections_ms"]
+            for path in sorted(directory.glob("rank*-call*.json"))}
+
+
 def run_benchmark(shape: str, worker_counts: list[int], prompts_per_worker: int, generations: int,
-                  new_tokens: int, steps: int, json_file: Path | None, extra: list[str]) -> dict:
+                  new_tokens: int, steps: int, json_file: Path | None, extra: list[str],
+                  profile_step: int | None = None) -> dict:
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_random_model(shape, Path(tmp) / shape)
         runs = [run_one(model_dir, n, prompts_per_worker, generations, new_tokens, steps,
-                        Path(tmp) / f"run-{n}", extra) for n in worker_counts]
+                        Path(tmp) / f"run-{n}", extra, profile_step) for n in worker_counts]
     base = runs[0]["tokens_per_s"] / runs[0]["workers"]
     for run in runs:
         run["speedup_vs_1"] = run["tokens_per_s"] / base
@@ -125,6 +145,10 @@ def format_table(out: dict) -> str:
     for r in out["runs"]:
         lines.append(f"{r['workers']:7d}  {r['median_step_s']:6.2f}  {r['generate_s']:10.2f}  {r['train_s']:7.2f}"
                      f"  {r['tokens_per_s']:8.0f}  {r['speedup_vs_1']:6.2f}x")
+    for r in out["runs"]:
+        for call, sections in r.get("sections_ms", {}).items():
+            parts = ", ".join(f"{name} {ms:.0f}" for name, ms in sections)
+            lines.append(f"{r['workers']} workers, {call} (ms): {parts}")
     return "\n".join(lines)
 
 

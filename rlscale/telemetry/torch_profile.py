@@ -3,7 +3,7 @@
     RLSCALE_PROFILE_DIR=/tmp/prof RLSCALE_PROFILE_CALL=3 rlscale train ...
 
 writes `rank{r}-{method}-call{N}.txt` for every profiled method (`generate`, `train`): wall time
-per section (see `mark`), then operators by device time and by CPU time. Off unless
+per section (see `mark`, also as `.json`), then operators by device time and by CPU time. Off unless
 RLSCALE_PROFILE_DIR is set; Ray workers get the variables from the driver (see
 workers/ray_group.py). Tables, not traces: they stay small enough to bring back from a remote
 machine. The profiler's own per-operator cost inflates CPU-heavy sections; RLSCALE_PROFILE_TORCH=0
@@ -12,6 +12,7 @@ keeps only the section times, measured without it.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from contextlib import contextmanager, nullcontext
@@ -52,6 +53,8 @@ class CallProfiler:
         path = Path(directory) / f"rank{self.rank}-{method}-call{count}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(sections_table(marks) + (profile_tables(prof) if with_torch else ""))
+        sections = [[name, round((t - before) * 1e3, 3)] for (_, before), (name, t) in zip(marks, marks[1:])]
+        path.with_suffix(".json").write_text(json.dumps({"sections_ms": sections, "torch_profiler": with_torch}))
 
     def mark(self, name: str) -> None:
         """End of a named section of a profiled call (device work included: it synchronises);
