@@ -1,3 +1,5 @@
+import json
+
 import torch
 
 from rlscale.telemetry.torch_profile import CALL_VARIABLE, DIR_VARIABLE, TORCH_VARIABLE, CallProfiler
@@ -12,7 +14,9 @@ def test_profiles_only_the_chosen_call(tmp_path, monkeypatch):
         with profiler.around("train"):
             (x @ x).sum()
             profiler.mark("matmul")
-    assert [p.name for p in tmp_path.iterdir()] == ["rank1-train-call2.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank1-train-call2.json", "rank1-train-call2.txt"]
+    sections = json.loads((tmp_path / "rank1-train-call2.json").read_text())["sections_ms"]
+    assert [name for name, _ in sections] == ["matmul", "end"] and all(ms >= 0 for _, ms in sections)
     text = (tmp_path / "rank1-train-call2.txt").read_text()
     assert "by CPU time" in text and "aten::mm" in text
     sections = text.split("\n\n")[0].splitlines()
