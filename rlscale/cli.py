@@ -263,9 +263,7 @@ def bench_scale(
 
     if model not in QWEN2_SHAPES:
         raise UserError(f"--model {model!r}: choose one of {', '.join(QWEN2_SHAPES)}")
-    if profile_step is not None and (profile_step > steps or steps < 3):
-        raise UserError(f"--profile-step {profile_step} with --steps {steps}: the runs need at least "
-                        f"{max(3, profile_step)} steps (step 1 warms up and the profiled step is not timed)")
+    check_profile_step(profile_step, steps)
     out = run_benchmark(model, workers, prompts_per_worker, generations, new_tokens, steps, json_file, override or [],
                         profile_step)
     typer.echo(format_table(out))
@@ -303,6 +301,8 @@ def bench_step(
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results here (after each half)"),
     only: Optional[str] = typer.Option(None, "--only", help="rlscale or trl: run one half"),
     trl_set: Optional[list[str]] = typer.Option(None, "--trl-set", help="GRPOConfig field=value for TRL (repeatable)"),
+    profile_step: Optional[int] = typer.Option(
+        None, "--profile-step", min=2, help="time rlscale's step N section by section (left out of its medians)"),
 ) -> None:
     """One full GRPO step (32 prompts × 8 samples, 256 new tokens): rlscale vs TRL's GRPOTrainer."""
     from rlscale.bench.scale import QWEN2_SHAPES
@@ -312,7 +312,15 @@ def bench_step(
         raise UserError(f"--model {model!r}: choose one of {', '.join(QWEN2_SHAPES)}")
     if only not in (None, "rlscale", "trl"):
         raise UserError(f"--only {only!r}: choose rlscale or trl")
-    typer.echo(format_table(run_benchmark(model, steps, json_file, only, trl_set or [], echo=typer.echo)))
+    check_profile_step(profile_step, steps)
+    typer.echo(format_table(run_benchmark(model, steps, json_file, only, trl_set or [], echo=typer.echo,
+                                          profile_step=profile_step)))
+
+
+def check_profile_step(profile_step: int | None, steps: int) -> None:
+    if profile_step is not None and (profile_step > steps or steps < 3):
+        raise UserError(f"--profile-step {profile_step} with --steps {steps}: the runs need at least "
+                        f"{max(3, profile_step)} steps (step 1 warms up and the profiled step is not timed)")
 
 
 def _parse_batch(text: str) -> tuple[int, int]:

@@ -124,19 +124,24 @@ def _median(rows: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def run_rlscale(model_dir: Path, steps: int, log_dir: Path) -> dict:
+def run_rlscale(model_dir: Path, steps: int, log_dir: Path, profile_step: int | None = None) -> dict:
+    """The rlscale half; profile_step: that step is timed section by section (sections_ms) and
+    left out of the medians."""
     extra = ["cluster.backend=local", f"rewards.function={REWARD}", f"policy.optimizer.lr={LEARNING_RATE}",
              "policy.generation.temperature=1.0"]
-    summary = run_one(model_dir, 1, PROMPTS, GENERATIONS, NEW_TOKENS, steps, log_dir, extra)
+    summary = run_one(model_dir, 1, PROMPTS, GENERATIONS, NEW_TOKENS, steps, log_dir, extra, profile_step)
     rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "time/step_s" in r]
+    profiled = [r for r in rows if r.get("step") == profile_step]
+    rows = [r for r in rows if r.get("step") != profile_step]
     per_step = [{"step_s": r["time/step_s"], "generate_s": r.get("time/generate_s"),
                  "logprobs_s": 0.0,  # one optimizer step, no reference: pi_old is the training forward itself
                  "reward_s": r.get("time/reward_s"), "train_s": r.get("time/train_s"),
                  "checkpoint_s": r.get("time/checkpoint_s", 0.0),
                  "response_length_mean": r.get("response/length_mean")} for r in rows]
-    return {"status": "ok", "steps_run": len(rows), "per_step": per_step, **summarize(per_step),
-            "micro_batch_size": micro_batch_size(), "rlscale_summary": summary}
+    return {"status": "ok", "steps_run": len(rows) + len(profiled), "per_step": per_step, **summarize(per_step),
+            "micro_batch_size": micro_batch_size(), "rlscale_summary": summary,
+            **({"profiled_step": profile_step, "sections_ms": summary.pop("sections_ms")} if profile_step else {})}
 
 
 def summarize(per_step: list[dict]) -> dict:
@@ -185,7 +190,7 @@ def versions() -> dict:
 
 
 def run_benchmark(shape: str, steps: int, json_file: Path | None, only: str | None = None,
-                  trl_set: list[str] | None = None, echo=print) -> dict:
+                  trl_set: list[str] | None = None, echo=print, profile_step: int | None = None) -> dict:
     import torch
 
     cuda = torch.cuda.is_available()
@@ -210,7 +215,7 @@ def run_benchmark(shape: str, steps: int, json_file: Path | None, only: str | No
         if only in (None, "rlscale"):
             echo("rlscale: running `rlscale train` ...")
             try:
-                out["rlscale"] = run_rlscale(model_dir, steps, work / "rlscale-run")
+                out["rlscale"] = run_rlscale(model_dir, steps, work / "rlscale-run", profile_step)
             except Exception as exc:  # noqa: BLE001 - the TRL half still runs and reports
                 out["rlscale"] = {"status": "failed", "error": str(exc)[-4000:]}
             write()
@@ -241,6 +246,9 @@ def format_table(out: dict) -> str:
         lines.append(f"{name:8s}  {text}  {half.get('status')}")
     if out.get("speedup_rlscale_vs_trl"):
         lines.append(f"TRL step / rlscale step: {out['speedup_rlscale_vs_trl']:.2f}x")
+    for call, sections in ((out.get("rlscale") or {}).get("sections_ms") or {}).items():
+        lines.append(f"rlscale step {out['rlscale']['profiled_step']}, {call} (ms): "
+                     + ", ".join(f"{name} {ms:.0f}" for name, ms in sections))
     return "\n".join(lines)
 
 

@@ -33,3 +33,19 @@ def test_summarize_leaves_out_the_warm_up_step():
     s = step.summarize(rows)
     assert s["steps_timed"] == 2 and s["median_step_s"] == 3.0 and s["median_generate_s"] == 2.0
     assert s["median_logprobs_s"] is None
+
+
+def test_bench_step_profiles_one_rlscale_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(step, "PROMPTS", 2)
+    monkeypatch.setattr(step, "GENERATIONS", 2)
+    monkeypatch.setattr(step, "NEW_TOKENS", 4)
+    out = tmp_path / "step.json"
+    result = CliRunner().invoke(app, ["bench", "step", "--model", "tiny", "--steps", "3", "--profile-step", "3",
+                                      "--only", "rlscale", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    r = json.loads(out.read_text())["rlscale"]
+    assert r["steps_run"] == 3 and r["steps_timed"] == 1 and r["profiled_step"] == 3  # 1 warms up, 3 profiled
+    names = [name for name, _ in r["sections_ms"]["rank0-train"]]
+    assert names[-2:] == ["optimizer step", "end"] and "micro-batch 0 forward+backward" in names
+    assert [name for name, _ in r["sections_ms"]["rank0-generate"]][1] == "engine generate"
+    assert "rlscale step 3, rank0-train (ms)" in result.output
