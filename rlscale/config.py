@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rlscale.errors import UserError
+from rlscale.errors import UserError, validation_message
 
 
 
@@ -419,19 +419,6 @@ def _is_text_key(dotted: str) -> bool:
     return field is not None and field.annotation in (str, str | None)
 
 
-def _format_validation_error(err: ValidationError) -> str:
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"])
-    if first["type"] == "extra_forbidden":
-        return f"unknown config key {loc!r}"
-    if first["type"] == "value_error":
-        reason = str(first["ctx"]["error"]) if "ctx" in first else first["msg"]
-        return f"config key {loc!r}: {reason}" if loc else reason
-    got = first.get("input")
-    shown = "" if isinstance(got, dict) else f" (got {got!r})"
-    return f"config key {loc!r}: {first['msg'].lower()}{shown}"
-
-
 def read_yaml_mapping(path: str | Path, what: str, of: str = "keys") -> dict[str, Any]:
     """A YAML file that must hold a mapping (empty file: {}); one-line UserError naming the file."""
     path = Path(path)
@@ -457,7 +444,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return Config.model_validate(tree)
     except ValidationError as err:
-        raise UserError(_format_validation_error(err)) from None
+        raise UserError(validation_message(err, "config")) from None
 
 
 def iter_reference(model: type[BaseModel] = Config, prefix: str = ""):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import yaml
+from pydantic import BaseModel, ValidationError
 
 from rlscale.config import Config, derive_sizes, iter_reference, load_config, parse_override
-from rlscale.errors import UserError
+from rlscale.errors import UserError, validation_message
 from tests.integration.helpers import SEED_OVERRIDES
 
 # 256 samples per step, 128 per optimizer step, independent of the defaults
@@ -101,7 +104,7 @@ def test_parse_override_splits_at_the_first_equals_sign():
      "(got 'sometimes')"),
     (["logger.mlflow.experimnt=x"], "unknown config key 'logger.mlflow.experimnt'"),
     (TWO_STEPS + ["policy.train_global_batch_size=100"],
-     "policy.train_global_batch_size=100 must divide grpo.num_prompts_per_step × grpo.num_generations_per_prompt = 256"),
+     "config: policy.train_global_batch_size=100 must divide grpo.num_prompts_per_step × grpo.num_generations_per_prompt = 256"),
 ])
 def test_errors_name_the_key(overrides, message):
     with pytest.raises(UserError) as caught:
@@ -248,3 +251,15 @@ def test_bad_deadline_and_grace_are_one_line_errors_naming_the_key(tmp_path, tex
     with pytest.raises(UserError, match=match) as info:
         load_config(path)
     assert "\n" not in str(info.value) and "checkpointing." in str(info.value)
+
+
+class Pick(BaseModel):
+    level: Literal["INFO", "DEBUG"]
+
+
+def test_pydantic_messages_keep_their_case_after_the_first_letter():
+    # a choice of upper-case values must be shown as it is spelled
+    with pytest.raises(ValidationError) as caught:
+        Pick(level="info")
+    assert validation_message(caught.value, "config") == \
+        "config key 'level': input should be 'INFO' or 'DEBUG' (got 'info')"

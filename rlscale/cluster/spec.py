@@ -17,7 +17,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from rlscale.cluster.k8s import (ENV_NAME, LABEL_KEY, LABEL_VALUE, dns_label, duration, parse_quantity,
                                  quantity)
 from rlscale.config import _Section, read_yaml_mapping  # one strict base: no unknown keys, no booleans for numbers
-from rlscale.errors import UserError
+from rlscale.errors import UserError, validation_message
 
 __all__ = ["ClusterSpec", "cluster_spec_from_dict", "load_cluster_spec", "parse_quantity"]
 
@@ -282,20 +282,6 @@ class ClusterSpec(_Section):
         return self
 
 
-def _format(err: ValidationError) -> str:
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"])
-    if first["type"] == "extra_forbidden":
-        return f"unknown cluster config key {loc!r}"
-    if first["type"] == "value_error":
-        reason = str(first["ctx"]["error"]) if "ctx" in first else first["msg"]
-        return f"cluster config key {loc!r}: {reason}" if loc else f"cluster config {reason}"
-    got = first.get("input")
-    shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
-    msg = first["msg"]
-    return f"cluster config key {loc!r}: {msg[:1].lower()}{msg[1:]}{shown}"
-
-
 def cluster_spec_from_dict(tree: dict[str, Any] | None) -> ClusterSpec:
     """Validate a mapping (a parsed cluster.yaml); raises UserError naming the first bad key."""
     if tree is not None and not isinstance(tree, dict):
@@ -303,7 +289,7 @@ def cluster_spec_from_dict(tree: dict[str, Any] | None) -> ClusterSpec:
     try:
         return ClusterSpec.model_validate(tree or {})
     except ValidationError as err:
-        raise UserError(_format(err)) from None
+        raise UserError(validation_message(err, "cluster config")) from None
 
 
 def load_cluster_spec(path: str | Path | None) -> ClusterSpec:
