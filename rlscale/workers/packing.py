@@ -32,9 +32,9 @@ def plan_packs(lengths: list[int], budget: int) -> list[list[int]]:
     count = _first_fit_groups(lengths, order, budget)
     groups: list[list[int]] = [[] for _ in range(count)]
     room = [budget] * count
-    for i in order:
-        g = max(range(len(room)), key=room.__getitem__) if room else None
-        if g is None or lengths[i] > room[g]:  # fits nowhere: a group of its own
+    for i in order:  # any document means at least one group
+        g = max(range(len(room)), key=room.__getitem__)
+        if lengths[i] > room[g]:  # fits nowhere: a group of its own
             groups.append([i])
             room.append(budget - lengths[i])
         else:

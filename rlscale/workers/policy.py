@@ -217,11 +217,6 @@ class PolicyWorker(state_io.CheckpointableWorker):
 
     def train(self, steps: list[TrainBatch], global_tokens: list[float], global_samples: int,
               micro_batch_size: int) -> dict[str, float]:
-        with self.profiler.around("train"):
-            return self._train(steps, global_tokens, global_samples, micro_batch_size)
-
-    def _train(self, steps: list[TrainBatch], global_tokens: list[float], global_samples: int,
-               micro_batch_size: int) -> dict[str, float]:
         """One GRPO update: an optimizer step per batch in `steps` (this worker's share of it).
 
         global_tokens[i]: response tokens in optimizer step i summed over all workers, so that the
@@ -230,6 +225,11 @@ class PolicyWorker(state_io.CheckpointableWorker):
         micro_batch_size: samples per micro-batch, used for the token budget when
         policy.train_micro_batch_tokens is not set.
         """
+        with self.profiler.around("train"):
+            return self._train(steps, global_tokens, global_samples, micro_batch_size)
+
+    def _train(self, steps: list[TrainBatch], global_tokens: list[float], global_samples: int,
+               micro_batch_size: int) -> dict[str, float]:
         multi_step = len(steps) > 1
         # pi_old must be the policy that sampled: recompute it before the first update when
         # several optimizer steps follow; with one step the current logprobs are pi_old exactly.
@@ -289,12 +289,14 @@ class PolicyWorker(state_io.CheckpointableWorker):
         loss_cfg = self.cfg.loss
         logprobs, entropy = self._logprobs(self.model, mb.to(self.device), with_entropy=True)
         rows, cols = mb.rows, mb.cols
+        # metrics: this worker's share of the global token mean (the controller adds the shares)
+        global_tokens = norm * self.world_size
         old = logprobs.detach() if old_all is None else to_device(old_all[rows, cols], self.device)
         ref = None if ref_all is None else to_device(ref_all[rows, cols], self.device)
         if batch.gen_logprobs is not None:
             # sampler vs trainer on the same tokens under pi_old: mean exp|difference|, 1.0 = identical
             gen = to_device(batch.gen_logprobs[rows, cols], self.device)
-            sums["token_mult_prob_error"] += (gen - old).abs().exp().sum() / (norm * self.world_size)
+            sums["token_mult_prob_error"] += (gen - old).abs().exp().sum() / global_tokens
         terms = grpo_token_loss(
             logprobs[None], old[None], to_device(batch.advantages[rows][None], self.device),
             None if ref is None else ref[None], loss_cfg.ratio_clip_min, loss_cfg.ratio_clip_max,
@@ -305,8 +307,6 @@ class PolicyWorker(state_io.CheckpointableWorker):
             weights = to_device(1.0 / (response_lengths[rows] * seq_norm), self.device)
         (terms.loss[0] * weights).sum().backward()
         with torch.no_grad():
-            # metrics: this worker's share of the global token mean (the controller adds the shares)
-            global_tokens = norm * self.world_size
             for key, per_token in (("loss", terms.loss[0]), ("kl", terms.kl[0]),
                                    ("clip_fraction", terms.clipped[0]), ("entropy", entropy)):
                 sums[key] += per_token.sum() / global_tokens
