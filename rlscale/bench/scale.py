@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from rlscale.bench import write_result
-from rlscale.telemetry.torch_profile import CALL_VARIABLE, DIR_VARIABLE, TORCH_VARIABLE
+from rlscale.telemetry.torch_profile import CALL_VARIABLE, DIR_VARIABLE, TORCH_VARIABLE, sections_line
 
 QWEN2_SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -147,8 +147,7 @@ def format_table(out: dict) -> str:
                      f"  {r['tokens_per_s']:8.0f}  {r['speedup_vs_1']:6.2f}x")
     for r in out["runs"]:
         for call, sections in r.get("sections_ms", {}).items():
-            parts = ", ".join(f"{name} {ms:.0f}" for name, ms in sections)
-            lines.append(f"{r['workers']} workers, {call} (ms): {parts}")
+            lines.append(f"{r['workers']} workers, {call} (ms): {sections_line(sections)}")
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from rlscale.bench import write_result
 from rlscale.bench.scale import QWEN2_SHAPES, run_one, save_random_qwen2
+from rlscale.telemetry.torch_profile import sections_line
 
 PROMPTS, GENERATIONS, NEW_TOKENS = 32, 8, 256
 LEARNING_RATE = 1e-6  # TRL's default; the same for both (speed does not depend on it)
@@ -247,8 +248,7 @@ def format_table(out: dict) -> str:
     if out.get("speedup_rlscale_vs_trl"):
         lines.append(f"TRL step / rlscale step: {out['speedup_rlscale_vs_trl']:.2f}x")
     for call, sections in ((out.get("rlscale") or {}).get("sections_ms") or {}).items():
-        lines.append(f"rlscale step {out['rlscale']['profiled_step']}, {call} (ms): "
-                     + ", ".join(f"{name} {ms:.0f}" for name, ms in sections))
+        lines.append(f"rlscale step {out['rlscale']['profiled_step']}, {call} (ms): {sections_line(sections)}")
     return "\n".join(lines)
 
 

@@ -50,10 +50,11 @@ class CallProfiler:
             marks = self._marks
         finally:
             self._marks = None
+        # wall time of each section, from one mark to the next
+        sections = [[name, round((t - before) * 1e3, 3)] for (_, before), (name, t) in zip(marks, marks[1:])]
         path = Path(directory) / f"rank{self.rank}-{method}-call{count}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(sections_table(marks) + (profile_tables(prof) if with_torch else ""))
-        sections = [[name, round((t - before) * 1e3, 3)] for (_, before), (name, t) in zip(marks, marks[1:])]
+        path.write_text(sections_table(sections) + (profile_tables(prof) if with_torch else ""))
         path.with_suffix(".json").write_text(json.dumps({"sections_ms": sections, "torch_profiler": with_torch}))
 
     def mark(self, name: str) -> None:
@@ -65,11 +66,16 @@ class CallProfiler:
             self._marks.append((name, time.perf_counter()))
 
 
-def sections_table(marks: list[tuple[str, float]]) -> str:
-    """Wall time of each section, from one mark to the next."""
+def sections_table(sections: list[list]) -> str:
+    """[[section, ms], ...] as the text file's first table."""
     lines = ["## sections (wall, device synchronised at each mark)"]
-    lines += [f"{name:<32}{(t - before) * 1e3:10.2f} ms" for (_, before), (name, t) in zip(marks, marks[1:])]
+    lines += [f"{name:<32}{ms:10.2f} ms" for name, ms in sections]
     return "\n".join(lines) + "\n\n"
+
+
+def sections_line(sections: list[list]) -> str:
+    """[[section, ms], ...] on one line, for the benchmarks' tables."""
+    return ", ".join(f"{name} {ms:.0f}" for name, ms in sections)
 
 
 def profile_tables(prof, rows: int = 40) -> str:
