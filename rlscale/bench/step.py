@@ -29,6 +29,7 @@ from rlscale.telemetry.torch_profile import sections_line
 
 PROMPTS, GENERATIONS, NEW_TOKENS = 32, 8, 256
 LEARNING_RATE = 1e-6  # TRL's default; the same for both (speed does not depend on it)
+KL_BETA = 0.0  # TRL's default: no reference model in either half
 BPE_MERGES_TARGET = 2048  # learned vocabulary of the BPE tokenizer (bytes + merges + specials)
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 REWARD = "rlscale.bench.rewards:parity"
@@ -125,12 +126,17 @@ def _median(rows: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+def rlscale_overrides() -> list[str]:
+    """What the rlscale half sets beyond bench scale's run (the settings both halves share)."""
+    return ["cluster.backend=local", f"rewards.function={REWARD}", f"policy.optimizer.lr={LEARNING_RATE}",
+            "policy.generation.temperature=1.0", f"loss.reference_policy_kl_penalty={KL_BETA}"]
+
+
 def run_rlscale(model_dir: Path, steps: int, log_dir: Path, profile_step: int | None = None) -> dict:
     """The rlscale half; profile_step: that step is timed section by section (sections_ms) and
     left out of the medians."""
-    extra = ["cluster.backend=local", f"rewards.function={REWARD}", f"policy.optimizer.lr={LEARNING_RATE}",
-             "policy.generation.temperature=1.0"]
-    summary = run_one(model_dir, 1, PROMPTS, GENERATIONS, NEW_TOKENS, steps, log_dir, extra, profile_step)
+    summary = run_one(model_dir, 1, PROMPTS, GENERATIONS, NEW_TOKENS, steps, log_dir, rlscale_overrides(),
+                      profile_step)
     rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "time/step_s" in r]
     profiled = [r for r in rows if r.get("step") == profile_step]
@@ -199,7 +205,7 @@ def run_benchmark(shape: str, steps: int, json_file: Path | None, only: str | No
            "model": shape, "prompts_per_step": PROMPTS, "generations_per_prompt": GENERATIONS,
            "max_new_tokens": NEW_TOKENS, "steps": steps, "versions": versions(),
            "settings": {"temperature": 1.0, "top_p": 1.0, "top_k": None, "stop_on_eos": True,
-                        "reward": REWARD, "kl_beta": 0.0, "reference_model": False, "learning_rate": LEARNING_RATE,
+                        "reward": REWARD, "kl_beta": KL_BETA, "reference_model": KL_BETA > 0, "learning_rate": LEARNING_RATE,
                         "optimizer_steps_per_grpo_step": 1, "dtype": "bfloat16" if cuda else "float32",
                         "gradient_checkpointing": False, "checkpoint_saves": "none in either half",
                         "median_over": "steps 2..N (step 1 warms up)"},

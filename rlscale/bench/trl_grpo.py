@@ -66,7 +66,7 @@ def run(args, result: dict, write) -> int:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlscale.bench.step import GENERATIONS, LEARNING_RATE, NEW_TOKENS, PROMPTS, bench_prompts
+    from rlscale.bench.step import GENERATIONS, KL_BETA, LEARNING_RATE, NEW_TOKENS, PROMPTS, bench_prompts
 
     cuda = torch.cuda.is_available()
     if not cuda:  # the thread count rlscale's worker takes on CPU (policy.cpu_threads unset), for a like run
@@ -79,7 +79,7 @@ def run(args, result: dict, write) -> int:
     settings = dict(
         output_dir=str(args.output_dir), per_device_train_batch_size=mbs, gradient_accumulation_steps=samples // mbs,
         num_generations=GENERATIONS, num_iterations=1, max_completion_length=NEW_TOKENS, temperature=1.0,
-        top_p=1.0, top_k=0, beta=0.0, learning_rate=LEARNING_RATE, max_steps=args.steps, logging_steps=1,
+        top_p=1.0, top_k=0, beta=KL_BETA, learning_rate=LEARNING_RATE, max_steps=args.steps, logging_steps=1,
         save_strategy="no", report_to="none", seed=42, shuffle_dataset=False, gradient_checkpointing=False,
         bf16=cuda, use_cpu=not cuda, dataloader_num_workers=0, disable_tqdm=True,
         model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"},

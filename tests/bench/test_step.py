@@ -28,6 +28,15 @@ def test_bench_step_tiny_without_trl(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "step.trl-steps.json").read_text())["status"] == "trl not installed"
 
 
+def test_rlscale_half_runs_without_a_reference_like_trl():
+    """The settings the JSON reports are the ones rlscale train gets (TRL gets beta=KL_BETA)."""
+    from rlscale.config import load_config
+
+    cfg = load_config(None, step.rlscale_overrides())
+    assert step.KL_BETA == 0.0 and cfg.loss.reference_policy_kl_penalty == step.KL_BETA
+    assert cfg.rewards.function == step.REWARD and cfg.policy.optimizer.lr == step.LEARNING_RATE
+
+
 def test_summarize_leaves_out_the_warm_up_step():
     rows = [{"step_s": 10.0, "generate_s": 8.0}, {"step_s": 2.0, "generate_s": 1.0}, {"step_s": 4.0, "generate_s": 3.0}]
     s = step.summarize(rows)
