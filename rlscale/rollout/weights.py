@@ -101,6 +101,7 @@ class DecodeWeights:
                 gate_up=empty(2 * s.intermediate_size, s.hidden_size),
                 down=empty(s.hidden_size, s.intermediate_size))
             for _ in range(s.num_layers)]
+        self.targets = self._targets()
         self.sync_from(source_model)
 
     def _targets(self) -> dict[str, torch.Tensor | list[torch.Tensor]]:
@@ -132,21 +133,23 @@ class DecodeWeights:
 
     @torch.no_grad()
     def sync_from(self, source_model) -> None:
-        """Copy the source model's current parameters in place (gathered when FSDP2-sharded)."""
-        targets = self._targets()
-        seen = set()
+        """Copy the source model's current parameters in place (gathered when FSDP2-sharded),
+        all in one foreach copy: ~170 separate copies cost more in launches than in bytes."""
+        targets, values, seen = [], [], set()
         for name, param in source_model.named_parameters():
-            if name not in targets:
+            if name not in self.targets:
                 if name == "lm_head.weight" and self.shape.tied_embeddings:
                     continue
                 raise ValueError(f"rollout engine: unexpected parameter {name!r}")
             value = param.full_tensor() if hasattr(param, "full_tensor") else param
-            target = targets[name]
+            target = self.targets[name]
             if target.shape != value.shape:
                 raise ValueError(f"rollout engine: {name} has shape {tuple(value.shape)}, "
                                  f"expected {tuple(target.shape)} (is the model still sharded?)")
-            target.copy_(value, non_blocking=True)
+            targets.append(target)
+            values.append(value.detach())
             seen.add(name)
-        missing = set(targets) - seen
+        missing = set(self.targets) - seen
         if missing:
             raise ValueError(f"rollout engine: parameters missing from the model: {sorted(missing)[:3]}")
+        torch._foreach_copy_(targets, values, non_blocking=True)

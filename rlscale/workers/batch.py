@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
+import numpy as np
 import torch
 
 
@@ -55,25 +57,27 @@ def build_train_batch(
     max_length: int,
     gen_logprobs: list[list[float]] | None = None,
 ) -> TrainBatch:
-    """Concatenate each prompt with its response (right padding, positions from 0)."""
-    rows = []
-    for prompt, response in zip(prompt_ids, response_ids):
-        keep = max(0, max_length - len(prompt))
-        rows.append((prompt, response[:keep]))
-    width = max(len(p) + len(r) for p, r in rows)
-    size = len(rows)
-    input_ids = torch.full((size, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((size, width), dtype=torch.long)
-    response_mask = torch.zeros((size, max(width - 1, 1)), dtype=torch.float32)
-    sampled = torch.zeros_like(response_mask) if gen_logprobs else None
-    for i, (prompt, response) in enumerate(rows):
-        total = len(prompt) + len(response)
-        input_ids[i, :total] = torch.tensor(prompt + response, dtype=torch.long)
-        attention[i, :total] = 1
-        # target position t predicts token t+1: responses start at len(prompt)
-        response_mask[i, len(prompt) - 1 : total - 1] = 1.0
-        if sampled is not None:
-            sampled[i, len(prompt) - 1 : total - 1] = torch.tensor(gen_logprobs[i][: len(response)])
-    return TrainBatch(input_ids, attention, response_mask[:, : width - 1],
-                      torch.tensor(advantages, dtype=torch.float32),
-                      None if sampled is None else sampled[:, : width - 1])
+    """Concatenate each prompt with its response (right padding, positions from 0).
+
+    Built with whole-array numpy operations: per-row tensor writes cost ~15 ms for 256 samples
+    on the controller, serial time that grows with the number of workers."""
+    responses = [r[:max(0, max_length - len(p))] for p, r in zip(prompt_ids, response_ids)]
+    prompt_len = np.array([len(p) for p in prompt_ids], dtype=np.int64)
+    total = prompt_len + np.array([len(r) for r in responses], dtype=np.int64)
+    width = int(total.max())
+    real = np.arange(width) < total[:, None]  # row-major order = the order of the tokens below
+    input_ids = np.full(real.shape, pad_id, dtype=np.int64)
+    input_ids[real] = np.fromiter(chain.from_iterable(chain(p, r) for p, r in zip(prompt_ids, responses)),
+                                  dtype=np.int64, count=int(total.sum()))
+    # target position t predicts token t+1: row i's targets are responses on [len(prompt)-1, total-1)
+    target = np.arange(width - 1)
+    is_response = (target >= prompt_len[:, None] - 1) & (target < total[:, None] - 1)
+    sampled = None
+    if gen_logprobs:
+        sampled = np.zeros(is_response.shape, dtype=np.float32)
+        sampled[is_response] = np.fromiter(
+            chain.from_iterable(lp[:len(r)] for lp, r in zip(gen_logprobs, responses)), dtype=np.float32,
+            count=int(is_response.sum()))
+    return TrainBatch(torch.from_numpy(input_ids), torch.from_numpy(real.astype(np.int64)),
+                      torch.from_numpy(is_response.astype(np.float32)), torch.tensor(advantages, dtype=torch.float32),
+                      None if sampled is None else torch.from_numpy(sampled))

@@ -113,7 +113,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
             return self._generate(texts, params, update_follows)
 
     def _generate(self, texts: list[str], params: SamplingParams, update_follows: bool) -> Rollouts:
-        prompt_ids = [self.renderer.render(text) for text in texts]
+        prompt_ids = self.renderer.render_all(texts)
         engine = self._rollout_engine()
         if engine is None:
             return self._generate_hf(prompt_ids, params)
