@@ -29,18 +29,22 @@ def init_process_group(rank: int, world_size: int, device: torch.device, timeout
                             timeout=timedelta(seconds=timeout_s))
 
 
-def shard_model(model) -> None:
-    """FSDP2: shard every transformer block, then the root (embeddings, norm, head).
+def shard_model(model, layers_per_unit: int = 1) -> None:
+    """FSDP2: shard the transformer blocks in units of `layers_per_unit` consecutive blocks (one
+    all-gather and one reduce-scatter per unit), then the root (embeddings, norm, head).
 
     Blocks are found by the model's own `_no_split_modules` class names, so any Hugging Face
-    decoder (Qwen2/3, Llama, ...) is sharded block by block.
+    decoder (Qwen2/3, Llama, ...) is sharded block by block. A GRPO step keeps the whole model
+    gathered from generation to the last backward, so units of one block buy no memory, only
+    more (and smaller) collectives, each with its own host-side cost.
     """
     from torch.distributed.fsdp import fully_shard
 
     block_names = set(getattr(model, "_no_split_modules", None) or [])
-    for module in model.modules():
-        if type(module).__name__ in block_names:
-            fully_shard(module)
+    blocks = [module for module in model.modules() if type(module).__name__ in block_names]
+    for start in range(0, len(blocks), layers_per_unit):
+        unit = blocks[start:start + layers_per_unit]
+        fully_shard(unit if len(unit) > 1 else unit[0])
     fully_shard(model)
 
 

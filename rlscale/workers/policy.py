@@ -85,10 +85,10 @@ class PolicyWorker(state_io.CheckpointableWorker):
                 compile_layers(self.reference)
         self.reference_sharded = False
         if self.sharded:
-            distributed.shard_model(self.model)
+            distributed.shard_model(self.model, policy.fsdp_layers_per_unit)
             if self.reference is not None and distributed.shard_reference(
                     policy.shard_reference, self.reference, self.device):
-                distributed.shard_model(self.reference)
+                distributed.shard_model(self.reference, policy.fsdp_layers_per_unit)
                 self.reference_sharded = True
         opt = policy.optimizer
         self.optimizer = torch.optim.AdamW(

@@ -49,6 +49,8 @@ def rank_main(rank: int, world: int, port: int, out: str, overrides: list[str], 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     worker = PolicyWorker(load_config(None, overrides), rank, world)
+    per_unit, layers = worker.cfg.policy.fsdp_layers_per_unit, len(worker.model.get_decoder().layers)
+    assert fsdp_units(worker.model) == -(-layers // per_unit) + 1  # the blocks' units and the root's
     if generate_first:
         generate_then_check_gathered(worker)
     weights, stats = two_steps(worker, list(range(rank, len(TEXTS), world)))
@@ -59,6 +61,13 @@ def rank_main(rank: int, world: int, port: int, out: str, overrides: list[str], 
     if rank == 0:
         save_file(weights, f"{out}/sharded.safetensors")
     torch.distributed.destroy_process_group()
+
+
+def fsdp_units(model) -> int:
+    """FSDP2 communication groups (modules sharded together share one state)."""
+    from rlscale.workers.distributed import fsdp_modules
+
+    return len({id(module._get_fsdp_state()) for module in fsdp_modules(model)})
 
 
 def generate_then_check_gathered(worker: PolicyWorker) -> None:
@@ -73,6 +82,7 @@ CASES = {
         [*OVERRIDES[:-1], "loss.reference_policy_kl_penalty=0.05", "policy.shard_reference=true"], True),
     "whole_reference_after_generation": (
         [*OVERRIDES[:-1], "loss.reference_policy_kl_penalty=0.05", "policy.shard_reference=false"], True),
+    "three_layer_units_after_generation": ([*OVERRIDES, "policy.fsdp_layers_per_unit=3"], True),
 }
 
 
