@@ -274,7 +274,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
                 self._accumulate(mb, batch, old_all, ref_all, norm, seq_norm, response_lengths, sums)
                 self.profiler.mark(f"micro-batch {i} forward+backward")
         max_norm = self.cfg.policy.max_grad_norm or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = distributed.clip_grad_norm(list(self.model.parameters()), max_norm, self.sharded)
         self.profiler.mark("clip gradients")
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
