@@ -98,7 +98,7 @@ class PolicyConfig(_Section):
         "all-gathers it); false keeps a whole copy per worker; null = shard only when its weights exceed "
         "10% of a GPU's memory")
     fsdp_layers_per_unit: int = Field(
-        1, ge=1, description="decoder layers per FSDP2 unit when sharded over several workers (one "
+        6, ge=1, description="decoder layers per FSDP2 unit when sharded over several workers (one "
         "all-gather and one reduce-scatter per unit): more layers, fewer and larger collectives")
     max_total_sequence_length: int = Field(256, ge=8, description="prompt + response tokens")
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="gradient clipping; null disables")

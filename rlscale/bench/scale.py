@@ -128,14 +128,20 @@ def run_benchmark(shape: str, worker_counts: list[int], prompts_per_worker: int,
         model_dir = build_random_model(shape, Path(tmp) / shape)
         runs = [run_one(model_dir, n, prompts_per_worker, generations, new_tokens, steps,
                         Path(tmp) / f"run-{n}", extra, profile_step) for n in worker_counts]
-    base = runs[0]["tokens_per_s"] / runs[0]["workers"]
-    for run in runs:
-        run["speedup_vs_1"] = run["tokens_per_s"] / base
+    add_speedups(runs)
     out = {"date": time.strftime("%Y-%m-%d"), "device": device, "model": shape,
            "prompts_per_worker": prompts_per_worker, "generations_per_prompt": generations,
            "max_new_tokens": new_tokens, "runs": runs}
     write_result(out, json_file)
     return out
+
+
+def add_speedups(runs: list[dict]) -> None:
+    """tokens/s against the one-worker run of the same invocation; none without one (another
+    run's baseline would mix machines and code)."""
+    base = next((run["tokens_per_s"] for run in runs if run["workers"] == 1), None)
+    for run in runs:
+        run["speedup_vs_1"] = run["tokens_per_s"] / base if base else None
 
 
 def format_table(out: dict) -> str:
@@ -144,7 +150,7 @@ def format_table(out: dict) -> str:
              "workers  step_s  generate_s  train_s  tokens/s  speedup"]
     for r in out["runs"]:
         lines.append(f"{r['workers']:7d}  {r['median_step_s']:6.2f}  {r['generate_s']:10.2f}  {r['train_s']:7.2f}"
-                     f"  {r['tokens_per_s']:8.0f}  {r['speedup_vs_1']:6.2f}x")
+                     f"  {r['tokens_per_s']:8.0f}  " + (f"{r['speedup_vs_1']:6.2f}x" if r["speedup_vs_1"] else "     -"))
     for r in out["runs"]:
         for call, sections in r.get("sections_ms", {}).items():
             lines.append(f"{r['workers']} workers, {call} (ms): {sections_line(sections)}")

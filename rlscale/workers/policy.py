@@ -230,20 +230,30 @@ class PolicyWorker(state_io.CheckpointableWorker):
 
     def _train(self, steps: list[TrainBatch], global_tokens: list[float], global_samples: int,
                micro_batch_size: int) -> dict[str, float]:
-        multi_step = len(steps) > 1
+        budget = self._token_budget(micro_batch_size)
+        # one packing per optimizer step, shared by its logprob passes and its update
+        packs = [self._micro_batches(batch, budget) for batch in steps]
+        self.profiler.mark("pack micro-batches")
         # pi_old must be the policy that sampled: recompute it before the first update when
         # several optimizer steps follow; with one step the current logprobs are pi_old exactly.
-        old = [self.compute_logprobs(b, micro_batch_size=micro_batch_size) if multi_step else None for b in steps]
-        ref = [self.compute_logprobs(b, reference=True, micro_batch_size=micro_batch_size)
-               if self.reference is not None else None for b in steps]
+        old = [self._pack_logprobs(self.model, p, self.sharded) if len(steps) > 1 else None for p in packs]
+        ref = [self._pack_logprobs(self.reference, p, self.reference_sharded) if self.reference is not None
+               else None for p in packs]
         self.profiler.mark("old and reference logprobs")
         totals: dict[str, float] = {}
-        budget = self._token_budget(micro_batch_size)
         for i, batch in enumerate(steps):
-            stats = self._optimizer_step(batch, old[i], ref[i], global_tokens[i], global_samples, budget)
+            stats = self._optimizer_step(batch, packs[i], old[i], ref[i], global_tokens[i], global_samples)
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value / len(steps)
         return totals
+
+    @torch.no_grad()
+    def _pack_logprobs(self, model, packs: list[PackedMicroBatch], sharded: bool) -> list[torch.Tensor]:
+        """Logprobs of each pack's targets, kept on the device for the update that follows."""
+        model.eval()
+        # the policy stays gathered for its update (its last backward reshards)
+        with distributed.gathered(model, sharded, keep=model is self.model):
+            return [self._logprobs(model, mb.to(self.device))[0] for mb in packs]
 
     def _micro_batches(self, batch: TrainBatch, budget: int) -> list[PackedMicroBatch]:
         packs = pack_batch(batch, budget)
@@ -253,7 +263,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
             packs += [filler_pack(self.tokenizer.pad_token_id)] * (count - len(packs))
         return packs
 
-    def _optimizer_step(self, batch, old_all, ref_all, global_tokens, global_samples, budget) -> dict[str, float]:
+    def _optimizer_step(self, batch, micro_batches, old, ref, global_tokens, global_samples) -> dict[str, float]:
+        """old, ref: logprobs per micro-batch (None: pi_old is the training forward itself / no KL)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         # summed on the device: reading each micro-batch's numbers back would stall the GPU queue
@@ -266,12 +277,11 @@ class PolicyWorker(state_io.CheckpointableWorker):
         norm = max(global_tokens, 1.0) / self.world_size
         seq_norm = global_samples / self.world_size
         response_lengths = batch.response_mask.sum(1).clamp_min(1)
-        micro_batches = self._micro_batches(batch, budget)
-        self.profiler.mark("pack micro-batches")
         with distributed.accumulating(self.model, self.sharded):
             for i, mb in enumerate(micro_batches):
                 distributed.last_micro_batch(self.model, i == len(micro_batches) - 1, self.sharded)
-                self._accumulate(mb, batch, old_all, ref_all, norm, seq_norm, response_lengths, sums)
+                self._accumulate(mb, batch, None if old is None else old[i], None if ref is None else ref[i],
+                                 norm, seq_norm, response_lengths, sums)
                 self.profiler.mark(f"micro-batch {i} forward+backward")
         max_norm = self.cfg.policy.max_grad_norm or math.inf
         grad_norm = distributed.clip_grad_norm(list(self.model.parameters()), max_norm, self.sharded)
@@ -284,15 +294,14 @@ class PolicyWorker(state_io.CheckpointableWorker):
         stats.update(grad_norm=distributed.as_float(grad_norm), lr=lr)
         return stats
 
-    def _accumulate(self, mb, batch, old_all, ref_all, norm, seq_norm, response_lengths, sums) -> None:
+    def _accumulate(self, mb, batch, old, ref, norm, seq_norm, response_lengths, sums) -> None:
         """Forward and backward of one packed micro-batch; gradients add up in the parameters."""
         loss_cfg = self.cfg.loss
         logprobs, entropy = self._logprobs(self.model, mb.to(self.device), with_entropy=True)
         rows, cols = mb.rows, mb.cols
         # metrics: this worker's share of the global token mean (the controller adds the shares)
         global_tokens = norm * self.world_size
-        old = logprobs.detach() if old_all is None else to_device(old_all[rows, cols], self.device)
-        ref = None if ref_all is None else to_device(ref_all[rows, cols], self.device)
+        old = logprobs.detach() if old is None else old
         if batch.gen_logprobs is not None:
             # sampler vs trainer on the same tokens under pi_old: mean exp|difference|, 1.0 = identical
             gen = to_device(batch.gen_logprobs[rows, cols], self.device)
