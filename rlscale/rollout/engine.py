@@ -4,14 +4,18 @@
     engine.sync_weights(policy_model)           # after every update; copies in place, no disk
     out = engine.generate(prompt_ids, max_new_tokens=256, mode=SamplingMode(1.0), eos_ids=[eos])
 
-On CUDA each (batch bucket, cache length, sampling mode) gets one captured graph; the host loop
-only replays it and, every `check_every` steps, reads back whether all sequences have stopped.
-On CPU the same step runs eagerly (the path the tests exercise).
+A decode step attends to the live prefix of the cache only: its first `span` positions, `span`
+the multiple of `decode_span_bucket` that covers the longest sequence so far (`decode_span`).
+On CUDA each (batch bucket, cache length, sampling mode, span) gets one captured graph, captured
+when first needed; the host loop picks the graph for the step's span, replays it and, every
+`check_every` steps, reads back whether all sequences have stopped. On CPU the same step runs
+eagerly (the path the tests exercise).
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +47,24 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+DECODE_SPAN_BUCKET = 64
+
+
+def decode_span(longest: int, step: int, max_length: int, bucket: int | None = DECODE_SPAN_BUCKET) -> int:
+    """How many leading cache positions decode step `step` attends to (bucket None: all max_length).
+
+    Host step `step` (1 = the first after prefill) feeds a slot with an n-token prompt (n = 0 for a
+    padding slot) its token at position min(n + step - 1, max_length - 1), writes that key/value and
+    attends to positions 0..position. Every position is thus below min(longest + step, max_length);
+    the span is that rounded up to a multiple of `bucket`, capped at max_length: attention reads
+    about the live prefix of the cache instead of all of it, in at most max_length / bucket shapes
+    (graphs, compilations).
+    """
+    if bucket is None:
+        return max_length
+    return min(max_length, round_up(longest + step, bucket))
+
+
 class _DecodeState:
     """Static buffers a captured decode step reads and writes (addresses never change)."""
 
@@ -56,11 +78,18 @@ class _DecodeState:
         self.eos = torch.tensor(eos_ids or [-1], dtype=torch.long, device=device)
         self.pad_id = pad_id
 
+    def written(self) -> list[torch.Tensor]:
+        """The buffers a decode step writes (besides the KV cache)."""
+        return [self.tokens, self.positions, self.done, self.step, self.out_tokens, self.out_logprobs]
+
 
 class RolloutEngine:
     def __init__(self, source_model, device: torch.device, dtype: torch.dtype, max_length: int = 2048,
                  use_cuda_graphs: bool | None = None, check_every: int = 16, prefill_tokens: int = 16384,
-                 compile_decode: bool = False, decode_attention: str = "sdpa"):
+                 compile_decode: bool = False, decode_attention: str = "sdpa",
+                 decode_span_bucket: int | None = DECODE_SPAN_BUCKET):
+        if decode_span_bucket is not None and decode_span_bucket < 1:
+            raise ValueError(f"decode_span_bucket must be positive or None, not {decode_span_bucket}")
         reason = unsupported_reason(source_model.config, max_length)
         if reason:
             raise ValueError(f"rollout engine does not support {reason}")
@@ -70,11 +99,9 @@ class RolloutEngine:
         self.max_length = max_length
         cos, sin = rotary_table(source_model, max_length, self.device, dtype)
         self.forward = DecoderForward(self.weights, cos, sin, decode_attention)
-        # torch.compile fuses the norms, rotary and activation kernels of a decode step, and the
-        # sampling's logsumexp and noisy argmax into a reduction or two over the logits (captured
-        # into the graph afterwards); compilation happens at the first capture, once per mode
-        self._decode_and_sample = (torch.compile(self._forward_and_sample, dynamic=False) if compile_decode
-                                   else self._forward_and_sample)
+        self.span_bucket = decode_span_bucket
+        spans = 1 if decode_span_bucket is None else -(-max_length // decode_span_bucket)
+        self._decode_and_sample = self._compiled(spans) if compile_decode else self._forward_and_sample
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.check_every = check_every
         self.prefill_tokens = prefill_tokens
@@ -86,6 +113,31 @@ class RolloutEngine:
 
     def sync_weights(self, source_model) -> None:
         self.weights.sync_from(source_model)
+
+    def _compiled(self, spans: int):
+        """_forward_and_sample under torch.compile, allowed a specialization per span.
+
+        torch.compile fuses the norms, rotary and activation kernels of a decode step, and the
+        sampling's logsumexp and noisy argmax into a reduction or two over the logits (captured
+        into the graph afterwards); compilation happens at the first capture of each mode and span.
+        The span is a Python int, so with dynamic=False each span is its own static-shaped
+        compilation, like the graph it is captured into. Dynamo counts these against the function's
+        recompile limit (default 8; past it the function silently runs eagerly), which the spans
+        alone can exceed: the limit is multiplied by the number of spans, for these calls only.
+        """
+        import torch._dynamo
+
+        compiled = torch.compile(self._forward_and_sample, dynamic=False)
+        config = torch._dynamo.config
+        limit = config.cache_size_limit * spans  # the names torch 2.6 has (recompile_limit later)
+        limits = dict(cache_size_limit=limit,
+                      accumulated_cache_size_limit=max(limit, config.accumulated_cache_size_limit))
+
+        def decode_and_sample(*args):
+            with config.patch(**limits):
+                return compiled(*args)
+
+        return decode_and_sample
 
     # ------------------------------------------------------------------ buffers and graphs
 
@@ -103,17 +155,17 @@ class RolloutEngine:
         self.cache = KVCache(self.shape, slots, length, self.device, self.dtype)
         self.state = _DecodeState(slots, max_new_tokens, self.device, pad_id, eos_ids)
 
-    def _forward_and_sample(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+    def _forward_and_sample(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, span: int,
                             mode: SamplingMode, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return sample_tokens(self.forward.decode(tokens, positions, cache), mode, noise)
+        return sample_tokens(self.forward.decode(tokens, positions, cache, span), mode, noise)
 
-    def _step(self, mode: SamplingMode) -> None:
+    def _step(self, mode: SamplingMode, span: int) -> None:
         """One decode step on the static buffers: forward, sample, record, advance."""
         st = self.state
         # the noise is drawn here, outside the compiled region: the native exponential_ is safe to
         # capture in the CUDA graph, a random op inside an inductor graph may replay the same numbers
         noise = None if mode.greedy else exponential_noise(len(st.tokens), self.shape.vocab_size, self.device)
-        tokens, logprobs = self._decode_and_sample(st.tokens, st.positions, self.cache, mode, noise)
+        tokens, logprobs = self._decode_and_sample(st.tokens, st.positions, self.cache, span, mode, noise)
         tokens = torch.where(st.done, st.pad_id, tokens)
         st.out_tokens.index_copy_(1, st.step, tokens[:, None])
         st.out_logprobs.index_copy_(1, st.step, logprobs[:, None])
@@ -122,32 +174,48 @@ class RolloutEngine:
         st.positions.add_(1).clamp_(max=self.cache.max_length - 1)
         st.step.add_(1)
 
-    def _runner(self, mode: SamplingMode):
+    def _runner(self, mode: SamplingMode, span: int):
         if not self.use_graphs:
-            return lambda: self._step(mode)
-        if mode not in self.graphs:
-            self.graphs[mode] = self._capture(mode)
-        return self.graphs[mode].replay
+            return lambda: self._step(mode, span)
+        if (mode, span) not in self.graphs:
+            self.graphs[mode, span] = self._capture(mode, span)
+        return self.graphs[mode, span].replay
 
-    def _capture(self, mode: SamplingMode) -> torch.cuda.CUDAGraph:
-        """Capture one decode step; the warm-up writes land in buffers the next prefill resets."""
+    @contextmanager
+    def _state_restored(self):
+        """Undo, on exit, what decode steps run inside wrote to the state buffers (not the cache)."""
+        saved = [t.clone() for t in self.state.written()]
+        try:
+            yield
+        finally:
+            for buffer, value in zip(self.state.written(), saved):
+                buffer.copy_(value)
+
+    def _warm_up(self, mode: SamplingMode, span: int) -> None:
+        """Two decode steps before a capture (compilation, allocator, kernel plans).
+
+        Run inside `_state_restored`, this may happen mid-generation: its key/value writes land at
+        each slot's current position and the one after, which no step has read yet and the next
+        real steps overwrite before reading them (a step writes its position, then attends to it).
+        """
+        for _ in range(2):
+            self._step(mode, span)
+            self.state.step.zero_()  # keeps the next step's output column in range
+
+    def _capture(self, mode: SamplingMode, span: int) -> torch.cuda.CUDAGraph:
+        """Capture one decode step, leaving the state as it found it (it may run mid-generation)."""
         start = time.perf_counter()
-        st = self.state
-        saved = [t.clone() for t in (st.tokens, st.positions, st.done, st.step)]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step(mode)
-                st.step.zero_()
-        torch.cuda.current_stream().wait_stream(stream)
-        if self.graph_pool is None:
-            self.graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
-            self._step(mode)
-        for buffer, value in zip((st.tokens, st.positions, st.done, st.step), saved):
-            buffer.copy_(value)
+        with self._state_restored():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._warm_up(mode, span)
+            torch.cuda.current_stream().wait_stream(stream)
+            if self.graph_pool is None:
+                self.graph_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                self._step(mode, span)
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - start
         return graph
@@ -179,9 +247,10 @@ class RolloutEngine:
         st.positions.zero_()
         st.positions[:count] = lengths
         st.tokens.fill_(pad_id)
-        # capture before prefill: the capture's warm-up steps scribble on what prefill then writes
         capture_before = self.capture_s
-        run_step = self._runner(mode)
+        # the first span's graph is captured before prefill (later ones when first needed)
+        span = decode_span(longest, 1, self.cache.max_length, self.span_bucket)
+        run_step = self._runner(mode, span)
         start = time.perf_counter()
         # prefill in row chunks so activations stay bounded for long prompts
         rows = max(1, self.prefill_tokens // max(longest, 1))
@@ -199,11 +268,15 @@ class RolloutEngine:
         st.done[:count] |= torch.isin(st.tokens[:count], st.eos)
         st.step.fill_(1)
         self._sync()
-        timings = {"prefill_s": time.perf_counter() - start, "capture_s": self.capture_s - capture_before}
+        prefill_s = time.perf_counter() - start
 
-        start = time.perf_counter()
+        start, capture_before_decode = time.perf_counter(), self.capture_s
         stopped_at: dict[int, int] = {}
         for step in range(1, max_new_tokens):
+            # host arithmetic only: all slots advance together, so the span follows from the step
+            needed = decode_span(longest, step, self.cache.max_length, self.span_bucket)
+            if needed != span:
+                span, run_step = needed, self._runner(mode, needed)
             run_step()
             if step % self.check_every == 0 or step == max_new_tokens - 1:
                 if stop_check is not None:
@@ -211,7 +284,8 @@ class RolloutEngine:
                 if bool(st.done[:count].all()):
                     break
         self._sync()
-        timings["decode_s"] = time.perf_counter() - start
+        timings = {"prefill_s": prefill_s, "capture_s": self.capture_s - capture_before,
+                   "decode_s": time.perf_counter() - start - (self.capture_s - capture_before_decode)}
         return self._collect(count, max_new_tokens, eos_ids, ignore_eos, stopped_at, timings)
 
     def _apply_stop_strings(self, stop_check, count: int, produced: int, stopped_at: dict[int, int]) -> None:

@@ -3,8 +3,9 @@
 Each sequence owns one row ("slot") of the cache, `max_length` positions long. Prefill runs the
 right-padded prompts through every layer at once and writes their keys/values to positions
 0..len-1; a decode step feeds one token per slot at its own position, writes its key/value there
-and attends to the positions before it. Shapes never depend on the data, so a decode step can be
-captured as a CUDA graph.
+and attends to the positions before it, reading only the first `span` positions of the cache (a
+bound the caller chooses to cover every slot's position). Shapes never depend on the data, so a
+decode step can be captured as a CUDA graph (one per span).
 """
 
 from __future__ import annotations
@@ -104,20 +105,28 @@ class DecoderForward:
         last = h[torch.arange(batch, device=h.device), lengths - 1]
         return self.logits(last)
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One token per slot [B] at `positions` [B] -> next-token logits [B, vocab]."""
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+               span: int | None = None) -> torch.Tensor:
+        """One token per slot [B] at `positions` [B] -> next-token logits [B, vocab].
+
+        Attention reads cache positions 0..span-1 only (default: the whole cache); every position
+        must be below `span`, or that slot would not see its own key. Not checked here: it would
+        take a host sync per step.
+        """
         s = self.s
         batch = tokens.shape[0]
+        span = cache.max_length if span is None else span
         slots = torch.arange(batch, device=tokens.device)
         group = s.num_heads // s.num_kv_heads
         # slot b attends to its positions 0..positions[b]
-        visible = (torch.arange(cache.max_length, device=tokens.device) <= positions[:, None])[:, None, None, :]
+        visible = (torch.arange(span, device=tokens.device) <= positions[:, None])[:, None, None, :]
         h = F.embedding(tokens, self.w.embed)
         for i, layer in enumerate(self.w.layers):
             q, k, v = self._qkv(layer, rms_norm(h, layer.input_norm, s.rms_eps), positions)
             keys, values = cache.keys[i][:batch], cache.values[i][:batch]
             keys[slots, :, positions] = k
             values[slots, :, positions] = v
+            keys, values = keys[:, :, :span], values[:, :, :span]
             # the query heads sharing a kv head act as that head's "query positions": no kv repeat
             q = q.unflatten(1, (s.num_kv_heads, group))  # [B, Hkv, G, D]
             if self.decode_attention == "sdpa":

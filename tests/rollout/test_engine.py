@@ -8,6 +8,7 @@ from transformers import (GPT2Config, LlamaConfig, LlamaForCausalLM, Qwen2Config
                           Qwen3ForCausalLM)
 
 from rlscale.rollout import RolloutEngine, SamplingMode, StopStrings, unsupported_reason
+from rlscale.rollout.engine import decode_span
 from rlscale.rollout.sampling import filter_logits, sample_tokens
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -174,23 +175,99 @@ def test_given_noise_the_sample_is_the_argmax_of_scaled_logits_minus_log_noise()
     assert torch.equal(first[0], (logits / 0.8 - noise.log()).argmax(-1))
 
 
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")),
-                    reason="torch.compile on CPU (inductor) needs a C++ compiler")
-def test_compiled_decode_and_sample_gives_the_eager_tokens():
-    # inductor on CPU: about 14 s with cold compile caches on 2 cores, 3 s warm
+def test_decode_span_is_the_smallest_bucket_multiple_covering_every_position_read():
+    assert decode_span(12, 1, 320) == 64  # step 1 writes and reads position 12 at most
+    assert decode_span(12, 52, 320) == 64  # position 63, the first bucket's last
+    assert decode_span(12, 53, 320) == 128  # position 64
+    assert decode_span(64, 1, 320) == 128 and decode_span(63, 1, 320) == 64
+    assert decode_span(100, 250, 320) == 320  # never past the cache
+    assert decode_span(10, 5, 40) == 40  # nor past a cache that is not a multiple of the bucket
+    assert decode_span(12, 1, 320, bucket=None) == 320
+    assert decode_span(12, 5, 320, bucket=16) == 32
+    for bucket, max_length in ((64, 320), (16, 100)):
+        for longest in range(1, 80):
+            for step in range(1, 260):
+                span = decode_span(longest, step, max_length, bucket)
+                last = min(longest + step - 1, max_length - 1)  # the largest position of step `step`
+                assert last < span <= max_length
+                assert span == max_length or (span % bucket == 0 and span - bucket <= last)
+    with pytest.raises(ValueError, match="decode_span_bucket"):
+        RolloutEngine(make("qwen2"), torch.device("cpu"), torch.float32, max_length=128, decode_span_bucket=0)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_decode_over_the_live_span_equals_decode_over_the_whole_cache(attention):
     model = make("qwen2")
-    prompts = ragged_prompts(5)
-    eager = RolloutEngine(model, torch.device("cpu"), torch.float32, max_length=128)
-    compiled = RolloutEngine(model, torch.device("cpu"), torch.float32, max_length=128, compile_decode=True)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, 97, (n,), generator=g).tolist() for n in (5, 40, 17, 29, 8, 33)]
+    engines = [RolloutEngine(model, torch.device("cpu"), torch.float32, max_length=256, decode_attention=attention,
+                             decode_span_bucket=bucket) for bucket in (None, 64)]
+    reads = []  # per decode step of the span engine: (span, largest position)
+    decode = engines[1].forward.decode
+
+    def recording_decode(tokens, positions, cache, span=None):
+        reads.append((span, int(positions.max())))
+        return decode(tokens, positions, cache, span)
+
+    engines[1].forward.decode = recording_decode
     for mode in (SamplingMode(0.0), SamplingMode(1.0)):
-        # same seed: both draw the same noise eagerly, so sampled tokens agree too
         outs = []
-        for engine in (eager, compiled):
-            torch.manual_seed(6)
-            outs.append(engine.generate(prompts, 8, mode, [1], 0, ignore_eos=True))
+        for engine in engines:
+            torch.manual_seed(8)  # the same noise for both
+            outs.append(engine.generate(prompts, 150, mode, [1], 0, ignore_eos=True))
         assert outs[0].tokens == outs[1].tokens
         torch.testing.assert_close(torch.tensor(outs[0].logprobs), torch.tensor(outs[1].logprobs),
                                    atol=1e-5, rtol=0)
+    # 40 + 150 tokens: a 192-position cache, read through spans of 64, 128 and 192 positions, each
+    # the smallest that holds every slot's position
+    assert engines[1].cache.max_length == 192 and len(reads) == 2 * 149
+    assert sorted({span for span, _ in reads}) == [64, 128, 192]
+    assert all(span - 64 <= last < span for span, last in reads)
+
+
+def test_a_capture_warm_up_in_the_middle_of_a_generation_changes_nothing():
+    # on CUDA a new span's graph is captured mid-generation, after two warm-up steps on the live
+    # state; the same warm-up here, before each span's first step
+    model = make("qwen2")
+    prompts = ragged_prompts(6)
+    engine = RolloutEngine(model, torch.device("cpu"), torch.float32, max_length=128, decode_span_bucket=16)
+    reference = engine.generate(prompts, 60, SamplingMode(0.0), [1], 0, ignore_eos=True)
+    runner, warmed = engine._runner, []
+
+    def runner_after_a_warm_up(mode, span):
+        with engine._state_restored():
+            engine._warm_up(mode, span)
+        warmed.append(span)
+        return runner(mode, span)
+
+    engine._runner = runner_after_a_warm_up
+    out = engine.generate(prompts, 60, SamplingMode(0.0), [1], 0, ignore_eos=True)
+    assert warmed == [16, 32, 48, 64, 80]  # the first before prefill, the others mid-generation
+    assert out.tokens == reference.tokens and out.logprobs == reference.logprobs
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")),
+                    reason="torch.compile on CPU (inductor) needs a C++ compiler")
+def test_compiled_decode_and_sample_gives_the_eager_tokens():
+    # inductor on CPU: one compilation per (mode, span); about 27 s with cold compile caches on 2
+    # cores, 4 s warm
+    model = make("qwen2")
+    prompts = ragged_prompts(5)
+    # 16-position spans: the greedy run crosses 7, the sampled one 2, more compilations than
+    # dynamo's default recompile limit (8), past which it would quietly run the step eagerly
+    options = dict(max_length=128, decode_span_bucket=16)
+    eager = RolloutEngine(model, torch.device("cpu"), torch.float32, **options)
+    compiled = RolloutEngine(model, torch.device("cpu"), torch.float32, compile_decode=True, **options)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for mode, new_tokens in ((SamplingMode(0.0), 100), (SamplingMode(1.0), 8)):
+            # same seed: both draw the same noise eagerly, so sampled tokens agree too
+            outs = []
+            for engine in (eager, compiled):
+                torch.manual_seed(6)
+                outs.append(engine.generate(prompts, new_tokens, mode, [1], 0, ignore_eos=True))
+            assert outs[0].tokens == outs[1].tokens
+            torch.testing.assert_close(torch.tensor(outs[0].logprobs), torch.tensor(outs[1].logprobs),
+                                       atol=1e-5, rtol=0)
 
 
 def test_models_outside_the_supported_families_are_named():
