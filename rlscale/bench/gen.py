@@ -7,8 +7,8 @@ variant (EOS ignored, so every sequence decodes exactly `new_tokens`):
 - engine: rlscale's rollout engine (slotted KV cache, decode steps replayed as CUDA graphs);
 - engine_compiled: the same with the decode step compiled by torch.compile before capture;
 - engine_matmul: compiled, with decode attention as two batched matmuls instead of SDPA;
-- engine_whole_cache: compiled, each decode step attending over the whole cache (the engine's
-  default attends to the live prefix, in 64-position spans);
+- engine_spans: compiled, each decode step attending to the live prefix of the cache in
+  64-position spans (policy.generation.decode_span_bucket=64) instead of the whole cache;
 - engine_eager: the engine without graphs (what the graphs buy).
 Warm-up (compilation, graph capture) runs before the timed repetitions and is reported apart.
 The bandwidth bound: every decode step must read all weights once plus each sequence's keys and
@@ -29,7 +29,7 @@ from rlscale.grpo.loss import token_logprobs_and_entropy
 
 # HBM bandwidth, bytes/s (vendor figures), for the bound; unknown devices report no fraction.
 MEMORY_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12, "A100": 2.0e12}
-VARIANTS = ("hf_dynamic", "hf_static", "engine", "engine_compiled", "engine_matmul", "engine_whole_cache",
+VARIANTS = ("hf_dynamic", "hf_static", "engine", "engine_compiled", "engine_matmul", "engine_spans",
             "engine_eager")
 
 
@@ -73,13 +73,13 @@ def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, static: bool):
 
 
 def _engine_generate(model, prompts: torch.Tensor, new_tokens: int, graphs: bool, compiled: bool,
-                     attention: str = "sdpa", whole_cache: bool = False):
+                     attention: str = "sdpa", spans: bool = False):
     from rlscale.rollout import RolloutEngine, SamplingMode
     from rlscale.rollout.engine import DECODE_SPAN_BUCKET
 
     engine = RolloutEngine(model, prompts.device, model.dtype, max_length=prompts.shape[1] + new_tokens + 64,
                            use_cuda_graphs=graphs and prompts.device.type == "cuda", compile_decode=compiled,
-                           decode_attention=attention, decode_span_bucket=None if whole_cache else DECODE_SPAN_BUCKET)
+                           decode_attention=attention, decode_span_bucket=DECODE_SPAN_BUCKET if spans else None)
     rows = prompts.tolist()
     return lambda: engine.generate(rows, new_tokens, SamplingMode(1.0), eos_ids=[1], pad_id=0, ignore_eos=True)
 
@@ -108,9 +108,9 @@ def run_variant(name: str, model, prompts: torch.Tensor, new_tokens: int, reps: 
         fn = _hf_generate(model, prompts, new_tokens, static=name == "hf_static")
     else:
         fn = _engine_generate(model, prompts, new_tokens, graphs=name != "engine_eager",
-                              compiled=name in ("engine_compiled", "engine_matmul", "engine_whole_cache"),
+                              compiled=name in ("engine_compiled", "engine_matmul", "engine_spans"),
                               attention="matmul" if name == "engine_matmul" else "sdpa",
-                              whole_cache=name == "engine_whole_cache")
+                              spans=name == "engine_spans")
     warmup_s = _timed(fn, device)  # compiles / captures; a full-length call so every shape is seen
     times = [_timed(fn, device) for _ in range(reps)]
     median = statistics.median(times)

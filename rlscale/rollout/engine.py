@@ -87,7 +87,7 @@ class RolloutEngine:
     def __init__(self, source_model, device: torch.device, dtype: torch.dtype, max_length: int = 2048,
                  use_cuda_graphs: bool | None = None, check_every: int = 16, prefill_tokens: int = 16384,
                  compile_decode: bool = False, decode_attention: str = "sdpa",
-                 decode_span_bucket: int | None = DECODE_SPAN_BUCKET):
+                 decode_span_bucket: int | None = None):
         if decode_span_bucket is not None and decode_span_bucket < 1:
             raise ValueError(f"decode_span_bucket must be positive or None, not {decode_span_bucket}")
         reason = unsupported_reason(source_model.config, max_length)

@@ -147,7 +147,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
             with distributed.gathered(self.model, self.sharded):
                 self._rollout = RolloutEngine(self.model, self.device, self.dtype, max_length,
                                              use_cuda_graphs=gen.cuda_graphs and self.device.type == "cuda",
-                                             compile_decode=gen.compile and self.device.type == "cuda")
+                                             compile_decode=gen.compile and self.device.type == "cuda",
+                                             decode_span_bucket=gen.decode_span_bucket)
         return self._rollout
 
     def _generate_hf(self, prompt_ids: list[list[int]], params: SamplingParams) -> Rollouts:

@@ -7,18 +7,20 @@ from rlscale.controller import sampling_params
 from rlscale.workers.policy import PolicyWorker
 
 
-def worker(backend: str) -> PolicyWorker:
+def worker(backend: str, *extra: str) -> PolicyWorker:
     torch.set_num_threads(1)
     cfg = load_config(None, [f"policy.generation.backend={backend}", "policy.generation.max_new_tokens=12",
-                             "policy.generation.stop_strings=[]"])
+                             "policy.generation.stop_strings=[]", *extra])
     return PolicyWorker(cfg)
 
 
 def test_engine_and_transformers_generate_give_the_same_greedy_rollouts():
     texts = ["12+7", "305+96", "8+8", "41+120"]
-    engine, hf = worker("engine"), worker("hf")
+    # 8-position spans: the 12 new tokens cross span boundaries
+    engine, hf = worker("engine", "policy.generation.decode_span_bucket=8"), worker("hf")
     params = sampling_params(engine.cfg, temperature=0.0)
     a, b = engine.generate(texts, params), hf.generate(texts, params)
+    assert engine._rollout.span_bucket == 8
     assert a.response_ids == b.response_ids and a.texts == b.texts and a.truncated == b.truncated
     assert [len(lp) for lp in a.logprobs] == [len(r) for r in a.response_ids]
     assert all(lp <= 0 for row in a.logprobs for lp in row) and b.logprobs == []
