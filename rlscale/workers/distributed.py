@@ -67,6 +67,8 @@ def clip_grad_norm(parameters, max_norm: float, sharded: bool) -> torch.Tensor:
     import torch.distributed as dist
 
     grads = [p.grad.to_local() for p in parameters if p.grad is not None]
+    if not grads:  # as torch: nothing to clip, norm 0 (every rank holds shards of the same parameters)
+        return torch.zeros(())
     squares = torch.stack([norm.float() for norm in torch._foreach_norm(grads)]).square().sum()
     dist.all_reduce(squares)
     total = squares.sqrt()

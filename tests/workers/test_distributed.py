@@ -54,3 +54,10 @@ def test_sharded_clip_matches_torch_on_the_whole_gradients(tmp_path):
     torch.testing.assert_close(sharded["norm"], norm)
     for name, p in model.named_parameters():
         torch.testing.assert_close(sharded["grads"][name], p.grad, msg=name)
+
+
+def test_sharded_clip_without_gradients_is_a_zero_norm():
+    from rlscale.workers.distributed import clip_grad_norm
+
+    model = torch.nn.Linear(3, 2)  # no backward yet: no gradients, and no collective is needed
+    assert float(clip_grad_norm(list(model.parameters()), 1.0, sharded=True)) == 0.0
