@@ -8,7 +8,9 @@ A decode step attends to the live prefix of the cache only: its first `span` pos
 the multiple of `decode_span_bucket` that covers the longest sequence so far (`decode_span`).
 On CUDA each (batch bucket, cache length, sampling mode, span) gets one captured graph, captured
 when first needed; the host loop picks the graph for the step's span, replays it and, every
-`check_every` steps, reads back whether all sequences have stopped. On CPU the same step runs
+`check_every` steps, reads back whether all sequences have stopped. With `compile_decode` the step
+is compiled before capture: whole without spans, in span-independent pieces with them, so that the
+compilations do not multiply with the spans (`_compiled_in_pieces`). On CPU the same step runs
 eagerly (the path the tests exercise).
 """
 
@@ -100,8 +102,12 @@ class RolloutEngine:
         cos, sin = rotary_table(source_model, max_length, self.device, dtype)
         self.forward = DecoderForward(self.weights, cos, sin, decode_attention)
         self.span_bucket = decode_span_bucket
-        spans = 1 if decode_span_bucket is None else -(-max_length // decode_span_bucket)
-        self._decode_and_sample = self._compiled(spans) if compile_decode else self._forward_and_sample
+        if not compile_decode:
+            self._decode_and_sample = self._forward_and_sample
+        elif decode_span_bucket is None:
+            self._decode_and_sample = torch.compile(self._forward_and_sample, dynamic=False)
+        else:
+            self._decode_and_sample = self._compiled_in_pieces()
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.check_every = check_every
         self.prefill_tokens = prefill_tokens
@@ -114,28 +120,30 @@ class RolloutEngine:
     def sync_weights(self, source_model) -> None:
         self.weights.sync_from(source_model)
 
-    def _compiled(self, spans: int):
-        """_forward_and_sample under torch.compile, allowed a specialization per span.
+    def _compiled_in_pieces(self):
+        """_forward_and_sample with spans, compiled in pieces whose shapes never depend on the span.
 
         torch.compile fuses the norms, rotary and activation kernels of a decode step, and the
-        sampling's logsumexp and noisy argmax into a reduction or two over the logits (captured
-        into the graph afterwards); compilation happens at the first capture of each mode and span.
-        The span is a Python int, so with dynamic=False each span is its own static-shaped
-        compilation, like the graph it is captured into. Dynamo counts these against the function's
-        recompile limit (default 8; past it the function silently runs eagerly), which the spans
-        alone can exceed: the limit is multiplied by the number of spans, for these calls only.
+        sampling's logsumexp and noisy argmax into a reduction or two over the logits (captured into
+        the graph afterwards). Without spans the whole step is one compilation (dynamic=False) per
+        sampling mode, batch bucket and cache length. With spans, a span (a Python int) inside it
+        would make every span a compilation of its own (~20 s each on an H200), so instead three
+        pieces are compiled: a layer's head (norm, q/k/v, rotary, cache write: `decode_head`), its
+        tail (o projection to the MLP's residual: `block_tail`), each called for every layer with
+        that layer's tensors as arguments, and the final norm, LM head and sampling. Attention over
+        the span runs eagerly between them (inside the captured CUDA graph all the same), so the
+        compilations are as many as without spans, whatever the number of spans: head and tail one
+        per batch bucket and cache length, the last piece one per batch bucket and sampling mode,
+        well within dynamo's recompile limit (8 per function; past it a function silently runs
+        eagerly), which therefore stays as it is.
         """
-        import torch._dynamo
+        head = torch.compile(self.forward.decode_head, dynamic=False)
+        tail = torch.compile(self.forward.block_tail, dynamic=False)
+        final = torch.compile(self._sample, dynamic=False)
 
-        compiled = torch.compile(self._forward_and_sample, dynamic=False)
-        config = torch._dynamo.config
-        limit = config.cache_size_limit * spans  # the names torch 2.6 has (recompile_limit later)
-        limits = dict(cache_size_limit=limit,
-                      accumulated_cache_size_limit=max(limit, config.accumulated_cache_size_limit))
-
-        def decode_and_sample(*args):
-            with config.patch(**limits):
-                return compiled(*args)
+        def decode_and_sample(tokens, positions, cache, span, mode, noise):
+            h = self.forward.decode_hidden(tokens, positions, cache, span, head, tail)
+            return final(h, self.weights.final_norm, self.weights.lm_head, mode, noise)
 
         return decode_and_sample
 
@@ -158,6 +166,11 @@ class RolloutEngine:
     def _forward_and_sample(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, span: int,
                             mode: SamplingMode, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return sample_tokens(self.forward.decode(tokens, positions, cache, span), mode, noise)
+
+    def _sample(self, h: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, mode: SamplingMode,
+                noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last piece of a step compiled in pieces: final norm, LM head, sampling."""
+        return sample_tokens(self.forward.final_logits(h, final_norm, lm_head), mode, noise)
 
     def _step(self, mode: SamplingMode, span: int) -> None:
         """One decode step on the static buffers: forward, sample, record, advance."""

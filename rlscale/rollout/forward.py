@@ -6,6 +6,11 @@ right-padded prompts through every layer at once and writes their keys/values to
 and attends to the positions before it, reading only the first `span` positions of the cache (a
 bound the caller chooses to cover every slot's position). Shapes never depend on the data, so a
 decode step can be captured as a CUDA graph (one per span).
+
+A decode step is built of per-layer pieces: `decode_head` (norm, q/k/v, rotary, cache write),
+`decode_attend` (attention over the span) and `block_tail` (o projection, MLP), the layer's weights
+passed as arguments. Only `decode_attend`'s shapes depend on the span, so the engine can compile
+the other pieces once for every span and every layer, and leave attention uncompiled between them.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlscale.rollout.weights import DecodeWeights, LayerWeights, ModelShape
+from rlscale.rollout.weights import DecodeWeights, ModelShape
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -65,27 +70,35 @@ class DecoderForward:
             raise ValueError(f"decode_attention must be sdpa or matmul, not {decode_attention!r}")
         self.decode_attention = decode_attention
 
-    def _qkv(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor, qkv: torch.Tensor, qkv_bias: torch.Tensor | None,
+             q_norm: torch.Tensor | None, k_norm: torch.Tensor | None):
         """x [..., hidden] -> q [..., H, D], k and v [..., Hkv, D], rotated at `positions` [...]."""
         s = self.s
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = F.linear(x, qkv, qkv_bias)
         q_width, kv_width = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         q = qkv[..., :q_width].unflatten(-1, (s.num_heads, s.head_dim))
         k = qkv[..., q_width:q_width + kv_width].unflatten(-1, (s.num_kv_heads, s.head_dim))
         v = qkv[..., q_width + kv_width:].unflatten(-1, (s.num_kv_heads, s.head_dim))
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, s.rms_eps)
-            k = rms_norm(k, layer.k_norm, s.rms_eps)
+        if q_norm is not None:
+            q = rms_norm(q, q_norm, s.rms_eps)
+            k = rms_norm(k, k_norm, s.rms_eps)
         cos, sin = self.cos[positions].unsqueeze(-2), self.sin[positions].unsqueeze(-2)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
-    def _block_tail(self, layer: LayerWeights, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        h = h + F.linear(attn, layer.o, layer.o_bias)
-        gate, up = F.linear(rms_norm(h, layer.post_norm, self.s.rms_eps), layer.gate_up).chunk(2, dim=-1)
-        return h + F.linear(self.act(gate) * up, layer.down)
+    def block_tail(self, h: torch.Tensor, attn: torch.Tensor, o: torch.Tensor, o_bias: torch.Tensor | None,
+                   post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """A layer after attention: o projection, residual, post-attention norm, gated MLP, residual.
+        The layer's weights come as arguments (`LayerWeights.tail`), not through `self`, so a compiled
+        version serves every layer without guarding on which tensors they are."""
+        h = h + F.linear(attn, o, o_bias)
+        gate, up = F.linear(rms_norm(h, post_norm, self.s.rms_eps), gate_up).chunk(2, dim=-1)
+        return h + F.linear(self.act(gate) * up, down)
+
+    def final_logits(self, h: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(h, final_norm, self.s.rms_eps), lm_head)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(h, self.w.final_norm, self.s.rms_eps), self.w.lm_head)
+        return self.final_logits(h, self.w.final_norm, self.w.lm_head)
 
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache, slot0: int) -> torch.Tensor:
         """Right-padded prompts [B, T] into cache slots slot0..slot0+B-1; returns the logits
@@ -94,46 +107,74 @@ class DecoderForward:
         positions = torch.arange(width, device=tokens.device).expand(batch, width)
         h = F.embedding(tokens, self.w.embed)
         for i, layer in enumerate(self.w.layers):
-            q, k, v = self._qkv(layer, rms_norm(h, layer.input_norm, self.s.rms_eps), positions)
+            q, k, v = self._qkv(rms_norm(h, layer.input_norm, self.s.rms_eps), positions, *layer.head[1:])
             k, v = k.transpose(1, 2), v.transpose(1, 2)
             cache.keys[i][slot0:slot0 + batch, :, :width] = k
             cache.values[i][slot0:slot0 + batch, :, :width] = v
             # causal attention suffices with right padding: real tokens never see the padding
             attn = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k, v, is_causal=True, enable_gqa=self.s.num_heads != self.s.num_kv_heads)
-            h = self._block_tail(layer, h, attn.transpose(1, 2).flatten(-2))
+            h = self.block_tail(h, attn.transpose(1, 2).flatten(-2), *layer.tail)
         last = h[torch.arange(batch, device=h.device), lengths - 1]
         return self.logits(last)
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-               span: int | None = None) -> torch.Tensor:
-        """One token per slot [B] at `positions` [B] -> next-token logits [B, vocab].
+    # ------------------------------------------------------------------ decode, in pieces
+
+    def decode_head(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, input_norm: torch.Tensor, qkv: torch.Tensor,
+                    qkv_bias: torch.Tensor | None, q_norm: torch.Tensor | None,
+                    k_norm: torch.Tensor | None) -> torch.Tensor:
+        """A decode step's layer up to attention: input norm, q/k/v at `positions` [B], this step's
+        key/value written in place into the layer's cache tensors `keys`/`values` (whole length, at
+        rows `slots` [B]); returns q grouped by kv head, [B, Hkv, G, D]. No shape here depends on
+        the span. The layer's weights come as arguments (`LayerWeights.head`), as in `block_tail`."""
+        s = self.s
+        q, k, v = self._qkv(rms_norm(h, input_norm, s.rms_eps), positions, qkv, qkv_bias, q_norm, k_norm)
+        keys[slots, :, positions] = k
+        values[slots, :, positions] = v
+        # the query heads sharing a kv head act as that head's "query positions": no kv repeat
+        return q.unflatten(1, (s.num_kv_heads, s.num_heads // s.num_kv_heads))
+
+    def visible(self, positions: torch.Tensor, span: int) -> torch.Tensor:
+        """Attention mask [B, 1, 1, span]: slot b attends to its positions 0..positions[b]."""
+        return (torch.arange(span, device=positions.device) <= positions[:, None])[:, None, None, :]
+
+    def decode_attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      visible: torch.Tensor) -> torch.Tensor:
+        """q [B, Hkv, G, D] over the layer cache's first B slots and first span = visible.shape[-1]
+        positions -> attention output [B, H * D]."""
+        batch, span = q.shape[0], visible.shape[-1]
+        keys, values = keys[:batch, :, :span], values[:batch, :, :span]
+        if self.decode_attention == "sdpa":
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+        else:  # plain batched matmuls; torch.compile, when it covers them, fuses the mask and softmax
+            scores = (q @ keys.transpose(-1, -2)).float() * self.s.head_dim ** -0.5
+            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(values.dtype)
+            attn = probs @ values
+        return attn.flatten(1)
+
+    def decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, span: int | None = None,
+                      head=None, tail=None) -> torch.Tensor:
+        """One token per slot [B] at `positions` [B] -> the last layer's hidden states [B, hidden].
 
         Attention reads cache positions 0..span-1 only (default: the whole cache); every position
         must be below `span`, or that slot would not see its own key. Not checked here: it would
-        take a host sync per step.
+        take a host sync per step. `head` and `tail` stand in for `decode_head` and `block_tail`
+        (the engine passes compiled versions of them; attention between them stays as it is).
         """
-        s = self.s
-        batch = tokens.shape[0]
+        head = head or self.decode_head
+        tail = tail or self.block_tail
         span = cache.max_length if span is None else span
-        slots = torch.arange(batch, device=tokens.device)
-        group = s.num_heads // s.num_kv_heads
-        # slot b attends to its positions 0..positions[b]
-        visible = (torch.arange(span, device=tokens.device) <= positions[:, None])[:, None, None, :]
+        slots = torch.arange(tokens.shape[0], device=tokens.device)
+        visible = self.visible(positions, span)
         h = F.embedding(tokens, self.w.embed)
         for i, layer in enumerate(self.w.layers):
-            q, k, v = self._qkv(layer, rms_norm(h, layer.input_norm, s.rms_eps), positions)
-            keys, values = cache.keys[i][:batch], cache.values[i][:batch]
-            keys[slots, :, positions] = k
-            values[slots, :, positions] = v
-            keys, values = keys[:, :, :span], values[:, :, :span]
-            # the query heads sharing a kv head act as that head's "query positions": no kv repeat
-            q = q.unflatten(1, (s.num_kv_heads, group))  # [B, Hkv, G, D]
-            if self.decode_attention == "sdpa":
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
-            else:  # plain batched matmuls; torch.compile fuses the mask and softmax between them
-                scores = (q @ keys.transpose(-1, -2)).float() * s.head_dim ** -0.5
-                probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(values.dtype)
-                attn = probs @ values
-            h = self._block_tail(layer, h, attn.flatten(1))
-        return self.logits(h)
+            keys, values = cache.keys[i], cache.values[i]
+            q = head(h, positions, slots, keys, values, *layer.head)
+            h = tail(h, self.decode_attend(q, keys, values, visible), *layer.tail)
+        return h
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+               span: int | None = None) -> torch.Tensor:
+        """One token per slot [B] at `positions` [B] -> next-token logits [B, vocab] (see `decode_hidden`)."""
+        return self.logits(self.decode_hidden(tokens, positions, cache, span))

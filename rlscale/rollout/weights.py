@@ -75,6 +75,16 @@ class LayerWeights:
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor
 
+    @property
+    def head(self) -> tuple:
+        """The arguments of `DecoderForward.decode_head` after the cache tensors (before attention)."""
+        return self.input_norm, self.qkv, self.qkv_bias, self.q_norm, self.k_norm
+
+    @property
+    def tail(self) -> tuple:
+        """The arguments of `DecoderForward.block_tail` after the activations (after attention)."""
+        return self.o, self.o_bias, self.post_norm, self.gate_up, self.down
+
 
 class DecodeWeights:
     """Fused weight tensors on the engine's device and dtype, filled by `sync_from`."""

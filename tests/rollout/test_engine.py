@@ -246,16 +246,22 @@ def test_a_capture_warm_up_in_the_middle_of_a_generation_changes_nothing():
     assert out.tokens == reference.tokens and out.logprobs == reference.logprobs
 
 
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")),
-                    reason="torch.compile on CPU (inductor) needs a C++ compiler")
-def test_compiled_decode_and_sample_gives_the_eager_tokens():
-    # inductor on CPU: one compilation per (mode, span); about 27 s with cold compile caches on 2
-    # cores, 4 s warm
-    model = make("qwen2")
+needs_a_compiler = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")),
+                                      reason="torch.compile on CPU (inductor) needs a C++ compiler")
+
+
+@needs_a_compiler
+@pytest.mark.parametrize("family, bucket", [("qwen2", 16), ("qwen3", 16), ("qwen2", None)])
+def test_compiled_decode_and_sample_gives_the_eager_tokens(family, bucket):
+    # inductor on CPU: with spans, the step compiled in pieces (a layer's head and tail, the final
+    # norm and sampling, once per mode); without, whole (once per mode). 15-19 s a case with cold
+    # compile caches on 2 cores, 4-6 s warm
+    model = make(family)
     prompts = ragged_prompts(5)
-    # 16-position spans: the greedy run crosses 7, the sampled one 2, more compilations than
-    # dynamo's default recompile limit (8), past which it would quietly run the step eagerly
-    options = dict(max_length=128, decode_span_bucket=16)
+    # 16-position spans: the greedy run crosses 7, the sampled one 2; were each span a compilation
+    # of its own, more than dynamo's default recompile limit (8), past which it would quietly run
+    # the step eagerly: made an error here
+    options = dict(max_length=128, decode_span_bucket=bucket)
     eager = RolloutEngine(model, torch.device("cpu"), torch.float32, **options)
     compiled = RolloutEngine(model, torch.device("cpu"), torch.float32, compile_decode=True, **options)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
@@ -268,6 +274,29 @@ def test_compiled_decode_and_sample_gives_the_eager_tokens():
             assert outs[0].tokens == outs[1].tokens
             torch.testing.assert_close(torch.tensor(outs[0].logprobs), torch.tensor(outs[1].logprobs),
                                        atol=1e-5, rtol=0)
+
+
+@needs_a_compiler
+def test_a_decode_step_compiled_in_pieces_compiles_as_often_over_many_spans_as_over_one():
+    from torch._dynamo.utils import counters
+
+    model = make("qwen2")
+    prompts = ragged_prompts(5)  # the longest 12 tokens
+    compilations, spans = [], []
+    for new_tokens in (4, 60):  # positions up to 15: one 16-position span; up to 71: five
+        torch._dynamo.reset()
+        counters.clear()
+        engine = RolloutEngine(model, torch.device("cpu"), torch.float32, max_length=128, compile_decode=True,
+                               decode_span_bucket=16)
+        runner, used = engine._runner, []
+        engine._runner = lambda mode, span: used.append(span) or runner(mode, span)
+        engine.generate(prompts, new_tokens, SamplingMode(0.0), [1], 0, ignore_eos=True)
+        compilations.append(counters["stats"]["unique_graphs"])
+        spans.append(used)
+    assert spans == [[16], [16, 32, 48, 64, 80]]
+    # a layer's head (every layer's), its tail, the final norm + LM head + sampling; a span shape
+    # inside any of them would add a compilation per span
+    assert compilations == [3, 3]
 
 
 def test_models_outside_the_supported_families_are_named():
