@@ -52,9 +52,8 @@ class GenerationConfig(_Section):
                           "sampling mode)")
     decode_span_bucket: int | None = Field(
         None, ge=1, description="engine: decode attention reads only the live prefix of the KV cache, in "
-        "spans of this many positions, each its own CUDA graph; compiled in span-independent pieces, a "
-        "fixed number of compilations (2x H200, 0.5B, when each span compiled anew: generate -7%, but "
-        "~20 s of compilation per span at the first step; pieces unmeasured on GPU); null = the whole cache")
+        "spans of this many positions (a CUDA graph per span, compiled in span-independent pieces); "
+        "null = the whole cache, one compiled graph")
 
 
 class OptimizerConfig(_Section):
