@@ -273,12 +273,16 @@ def bench_scale(
 def bench_gen(
     model: list[str] = typer.Option(["qwen2-0.5b"], "--model", help="qwen2-0.5b, qwen2-1.5b, qwen2-7b, tiny (repeatable)"),
     variant: list[str] = typer.Option(["hf_dynamic", "hf_static", "engine"], "--variant",
-                                      help="hf_dynamic, hf_static, engine, engine_eager (repeatable)"),
+                                      help="hf_dynamic, hf_static, engine, engine_compiled, engine_matmul, "
+                                      "engine_spans, engine_eager (repeatable)"),
     batch: int = typer.Option(256, "--batch", min=1, help="sequences per generate call"),
     prompt_tokens: int = typer.Option(64, "--prompt-tokens", min=1),
     new_tokens: int = typer.Option(256, "--new-tokens", min=2),
     reps: int = typer.Option(3, "--reps", min=1, help="timed repetitions after the warm-up"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results here as JSON"),
+    kernel_profile: Optional[Path] = typer.Option(
+        None, "--kernel-profile", help="append torch.profiler tables (device kernels by time) of one extra "
+        "call per variant to this text file"),
 ) -> None:
     """Generation tokens/s: rlscale's rollout engine against Hugging Face generate."""
     from rlscale.bench.gen import VARIANTS, format_table, run_benchmark
@@ -290,7 +294,8 @@ def bench_gen(
     for name in variant:
         if name not in VARIANTS:
             raise UserError(f"--variant {name!r}: choose one of {', '.join(VARIANTS)}")
-    out = run_benchmark(model, variant, batch, prompt_tokens, new_tokens, reps, json_file, echo=typer.echo)
+    out = run_benchmark(model, variant, batch, prompt_tokens, new_tokens, reps, json_file, echo=typer.echo,
+                        kernel_profile=kernel_profile)
     typer.echo(format_table(out))
 
 

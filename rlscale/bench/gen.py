@@ -102,7 +102,10 @@ def logprob_agreement(model, prompts: torch.Tensor, new_tokens: int, rows: int =
             "token_mult_prob_error": float(diff.exp().mean())}
 
 
-def run_variant(name: str, model, prompts: torch.Tensor, new_tokens: int, reps: int) -> dict:
+def run_variant(name: str, model, prompts: torch.Tensor, new_tokens: int, reps: int,
+                kernel_tables: list[str] | None = None) -> dict:
+    """kernel_tables: if given, one more (untimed) call runs under torch.profiler and its operator
+    and kernel tables are appended (kernels replayed from CUDA graphs are listed one by one)."""
     device = prompts.device
     if name.startswith("hf_"):
         fn = _hf_generate(model, prompts, new_tokens, static=name == "hf_static")
@@ -113,9 +116,23 @@ def run_variant(name: str, model, prompts: torch.Tensor, new_tokens: int, reps: 
                               spans=name == "engine_spans")
     warmup_s = _timed(fn, device)  # compiles / captures; a full-length call so every shape is seen
     times = [_timed(fn, device) for _ in range(reps)]
+    if kernel_tables is not None:
+        kernel_tables.append(_profiled_call(fn, device))
     median = statistics.median(times)
     tokens = prompts.shape[0] * new_tokens
     return {"warmup_s": warmup_s, "times_s": times, "median_s": median, "tokens_per_s": tokens / median}
+
+
+def _profiled_call(fn, device: torch.device) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlscale.telemetry.torch_profile import profile_tables
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    return profile_tables(prof)
 
 
 def device_name() -> str:
@@ -123,7 +140,8 @@ def device_name() -> str:
 
 
 def run_benchmark(shapes: list[str], variants: list[str], batch: int, prompt_tokens: int, new_tokens: int,
-                  reps: int, json_file: Path | None, echo=print) -> dict:
+                  reps: int, json_file: Path | None, echo=print, kernel_profile: Path | None = None) -> dict:
+    """kernel_profile: a text file for torch.profiler tables of one extra call per variant."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     name = device_name()
@@ -140,7 +158,12 @@ def run_benchmark(shapes: list[str], variants: list[str], batch: int, prompt_tok
             entry["bound_tokens_per_s"] = bandwidth_bound_tokens_per_s(model, batch, prompt_tokens, new_tokens, bandwidth)
         for variant in variants:
             try:
-                result = run_variant(variant, model, prompts, new_tokens, reps)
+                tables: list[str] | None = [] if kernel_profile else None
+                result = run_variant(variant, model, prompts, new_tokens, reps, tables)
+                if tables:
+                    with open(kernel_profile, "a") as f:
+                        f.write(f"# {shape} {variant}, {batch} sequences × {prompt_tokens} prompt + "
+                                f"{new_tokens} new tokens, one call\n\n{tables[0]}\n")
             except Exception as exc:  # one failing variant must not lose the others' numbers
                 result = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             if bandwidth and "tokens_per_s" in result:

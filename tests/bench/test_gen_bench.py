@@ -32,3 +32,15 @@ def test_the_bandwidth_bound_counts_weights_once_per_step_plus_the_growing_kv_ca
     kv_per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads, head_dim 64/4, fp32
     seconds = sum(weights + 3 * (5 + t) * kv_per_token for t in range(2)) / 1e9
     assert abs(bandwidth_bound_tokens_per_s(model, 3, 5, 2, 1e9) - 3 * 2 / seconds) < 1e-6
+
+
+def test_bench_gen_kernel_profile_appends_one_table_set_per_variant(tmp_path):
+    torch.set_num_threads(1)
+    tables = tmp_path / "kernels.txt"
+    result = CliRunner().invoke(app, ["bench", "gen", "--model", "tiny", "--variant", "engine", "--variant",
+                                      "engine_eager", "--batch", "2", "--prompt-tokens", "4", "--new-tokens", "4",
+                                      "--reps", "1", "--kernel-profile", str(tables)])
+    assert result.exit_code == 0, result.output
+    text = tables.read_text()
+    assert text.count("# tiny engine,") == 1 and text.count("# tiny engine_eager,") == 1
+    assert text.count("## by CPU time (inclusive)") == 2 and "aten::" in text
