@@ -306,6 +306,8 @@ def bench_step(
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results here (after each half)"),
     only: Optional[str] = typer.Option(None, "--only", help="rlscale or trl: run one half"),
     trl_set: Optional[list[str]] = typer.Option(None, "--trl-set", help="GRPOConfig field=value for TRL (repeatable)"),
+    rlscale_set: Optional[list[str]] = typer.Option(
+        None, "--set", help="config override for the rlscale half, after the bench's own (repeatable)"),
     profile_step: Optional[int] = typer.Option(
         None, "--profile-step", min=2, help="time rlscale's step N section by section (left out of its medians)"),
 ) -> None:
@@ -319,7 +321,7 @@ def bench_step(
         raise UserError(f"--only {only!r}: choose rlscale or trl")
     check_profile_step(profile_step, steps)
     typer.echo(format_table(run_benchmark(model, steps, json_file, only, trl_set or [], echo=typer.echo,
-                                          profile_step=profile_step)))
+                                          profile_step=profile_step, rlscale_set=rlscale_set or [])))
 
 
 def check_profile_step(profile_step: int | None, steps: int) -> None:

@@ -132,11 +132,12 @@ def rlscale_overrides() -> list[str]:
             "policy.generation.temperature=1.0", f"loss.reference_policy_kl_penalty={KL_BETA}"]
 
 
-def run_rlscale(model_dir: Path, steps: int, log_dir: Path, profile_step: int | None = None) -> dict:
+def run_rlscale(model_dir: Path, steps: int, log_dir: Path, profile_step: int | None = None,
+                extra: list[str] | None = None) -> dict:
     """The rlscale half; profile_step: that step is timed section by section (sections_ms) and
-    left out of the medians."""
-    summary = run_one(model_dir, 1, PROMPTS, GENERATIONS, NEW_TOKENS, steps, log_dir, rlscale_overrides(),
-                      profile_step)
+    left out of the medians; extra: config overrides after the bench's own."""
+    summary = run_one(model_dir, 1, PROMPTS, GENERATIONS, NEW_TOKENS, steps, log_dir,
+                      [*rlscale_overrides(), *(extra or [])], profile_step)
     rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "time/step_s" in r]
     profiled = [r for r in rows if r.get("step") == profile_step]
@@ -197,7 +198,8 @@ def versions() -> dict:
 
 
 def run_benchmark(shape: str, steps: int, json_file: Path | None, only: str | None = None,
-                  trl_set: list[str] | None = None, echo=print, profile_step: int | None = None) -> dict:
+                  trl_set: list[str] | None = None, echo=print, profile_step: int | None = None,
+                  rlscale_set: list[str] | None = None) -> dict:
     import torch
 
     cuda = torch.cuda.is_available()
@@ -208,7 +210,8 @@ def run_benchmark(shape: str, steps: int, json_file: Path | None, only: str | No
                         "reward": REWARD, "kl_beta": KL_BETA, "reference_model": KL_BETA > 0, "learning_rate": LEARNING_RATE,
                         "optimizer_steps_per_grpo_step": 1, "dtype": "bfloat16" if cuda else "float32",
                         "gradient_checkpointing": False, "checkpoint_saves": "none in either half",
-                        "median_over": "steps 2..N (step 1 warms up)"},
+                        "median_over": "steps 2..N (step 1 warms up)",
+                        "rlscale_set": rlscale_set or [], "trl_set": trl_set or []},
            "rlscale": None, "trl": None}
 
     def write() -> None:
@@ -222,7 +225,7 @@ def run_benchmark(shape: str, steps: int, json_file: Path | None, only: str | No
         if only in (None, "rlscale"):
             echo("rlscale: running `rlscale train` ...")
             try:
-                out["rlscale"] = run_rlscale(model_dir, steps, work / "rlscale-run", profile_step)
+                out["rlscale"] = run_rlscale(model_dir, steps, work / "rlscale-run", profile_step, rlscale_set)
             except Exception as exc:  # noqa: BLE001 - the TRL half still runs and reports
                 out["rlscale"] = {"status": "failed", "error": str(exc)[-4000:]}
             write()

@@ -58,3 +58,13 @@ def test_bench_step_profiles_one_rlscale_step(tmp_path, monkeypatch):
     assert names[-2:] == ["optimizer step", "end"] and "micro-batch 0 forward+backward" in names
     assert [name for name, _ in r["sections_ms"]["rank0-generate"]][1] == "engine generate"
     assert "rlscale step 3, rank0-train (ms)" in result.output
+
+
+def test_bench_step_passes_set_to_the_rlscale_half(tmp_path):
+    out = tmp_path / "step.json"
+    result = CliRunner().invoke(app, ["bench", "step", "--model", "tiny", "--steps", "2", "--only", "rlscale",
+                                      "--set", "policy.no_such_key=1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["settings"]["rlscale_set"] == ["policy.no_such_key=1"]
+    assert data["rlscale"]["status"] == "failed" and "no_such_key" in data["rlscale"]["error"]
