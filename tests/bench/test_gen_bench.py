@@ -9,13 +9,18 @@ from rlscale.bench.gen import bandwidth_bound_tokens_per_s, build_model
 from rlscale.cli import app
 
 
-def test_bench_gen_writes_each_variant_and_the_engine_logprob_check(tmp_path):
+def bench_gen_tiny(variants: list[str], tokens: int, *options: str) -> None:
+    """`rlscale bench gen` on the tiny shape, one timed repetition; the command must succeed."""
     torch.set_num_threads(1)
-    out = tmp_path / "gen.json"
-    result = CliRunner().invoke(app, ["bench", "gen", "--model", "tiny", "--variant", "engine", "--variant",
-                                      "hf_dynamic", "--batch", "4", "--prompt-tokens", "8", "--new-tokens", "8",
-                                      "--reps", "1", "--json", str(out)])
+    args = ["bench", "gen", "--model", "tiny", "--reps", "1", "--prompt-tokens", str(tokens),
+            "--new-tokens", str(tokens), *[a for v in variants for a in ("--variant", v)], *options]
+    result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
+
+
+def test_bench_gen_writes_each_variant_and_the_engine_logprob_check(tmp_path):
+    out = tmp_path / "gen.json"
+    bench_gen_tiny(["engine", "hf_dynamic"], 8, "--batch", "4", "--json", str(out))
     entry = json.loads(out.read_text())["models"]["tiny"]
     assert set(entry["results"]) == {"engine", "hf_dynamic"}
     for r in entry["results"].values():
@@ -35,12 +40,8 @@ def test_the_bandwidth_bound_counts_weights_once_per_step_plus_the_growing_kv_ca
 
 
 def test_bench_gen_kernel_profile_appends_one_table_set_per_variant(tmp_path):
-    torch.set_num_threads(1)
     tables = tmp_path / "kernels.txt"
-    result = CliRunner().invoke(app, ["bench", "gen", "--model", "tiny", "--variant", "engine", "--variant",
-                                      "engine_eager", "--batch", "2", "--prompt-tokens", "4", "--new-tokens", "4",
-                                      "--reps", "1", "--kernel-profile", str(tables)])
-    assert result.exit_code == 0, result.output
+    bench_gen_tiny(["engine", "engine_eager"], 4, "--batch", "2", "--kernel-profile", str(tables))
     text = tables.read_text()
     assert text.count("# tiny engine,") == 1 and text.count("# tiny engine_eager,") == 1
     assert text.count("## by CPU time (inclusive)") == 2 and "aten::" in text
