@@ -199,21 +199,16 @@ class PolicyWorker(state_io.CheckpointableWorker):
         policy = self.cfg.policy
         return packed_logprobs(model, mb, with_entropy, policy.logprob_chunk_tokens, self.compiled)
 
-    @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False,
                          micro_batch_size: int | None = None) -> torch.Tensor:
         """Logprobs of the response targets, [B, L-1] like batch.response_mask (0 elsewhere)."""
-        model = self.reference if reference else self.model
-        model.eval()
-        rows, cols, pieces = [], [], []
-        with distributed.gathered(model, self.reference_sharded if reference else self.sharded):
-            for mb in pack_batch(batch, self._token_budget(micro_batch_size)):
-                pieces.append(self._logprobs(model, mb.to(self.device))[0])
-                rows.append(mb.rows)
-                cols.append(mb.cols)
+        packs = pack_batch(batch, self._token_budget(micro_batch_size))
+        model, sharded = (self.reference, self.reference_sharded) if reference else (self.model, self.sharded)
+        pieces = self._pack_logprobs(model, packs, sharded, keep_gathered=False)
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
         if pieces:  # one copy back at the end: no stall between the micro-batches' forwards
-            out[torch.cat(rows), torch.cat(cols)] = torch.cat(pieces).float().cpu()
+            rows, cols = torch.cat([mb.rows for mb in packs]), torch.cat([mb.cols for mb in packs])
+            out[rows, cols] = torch.cat(pieces).float().cpu()
         return out
 
     def train(self, steps: list[TrainBatch], global_tokens: list[float], global_samples: int,
@@ -237,9 +232,11 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self.profiler.mark("pack micro-batches")
         # pi_old must be the policy that sampled: recompute it before the first update when
         # several optimizer steps follow; with one step the current logprobs are pi_old exactly.
-        old = [self._pack_logprobs(self.model, p, self.sharded) if len(steps) > 1 else None for p in packs]
-        ref = [self._pack_logprobs(self.reference, p, self.reference_sharded) if self.reference is not None
-               else None for p in packs]
+        # the policy stays gathered for its update (its last backward reshards)
+        old = [self._pack_logprobs(self.model, p, self.sharded, keep_gathered=True) if len(steps) > 1 else None
+               for p in packs]
+        ref = [self._pack_logprobs(self.reference, p, self.reference_sharded, keep_gathered=False)
+               if self.reference is not None else None for p in packs]
         self.profiler.mark("old and reference logprobs")
         totals: dict[str, float] = {}
         for i, batch in enumerate(steps):
@@ -249,11 +246,11 @@ class PolicyWorker(state_io.CheckpointableWorker):
         return totals
 
     @torch.no_grad()
-    def _pack_logprobs(self, model, packs: list[PackedMicroBatch], sharded: bool) -> list[torch.Tensor]:
-        """Logprobs of each pack's targets, kept on the device for the update that follows."""
+    def _pack_logprobs(self, model, packs: list[PackedMicroBatch], sharded: bool,
+                       keep_gathered: bool) -> list[torch.Tensor]:
+        """Logprobs of each pack's targets, on the device; keep_gathered: see distributed.gathered."""
         model.eval()
-        # the policy stays gathered for its update (its last backward reshards)
-        with distributed.gathered(model, sharded, keep=model is self.model):
+        with distributed.gathered(model, sharded, keep=keep_gathered):
             return [self._logprobs(model, mb.to(self.device))[0] for mb in packs]
 
     def _micro_batches(self, batch: TrainBatch, budget: int) -> list[PackedMicroBatch]:
