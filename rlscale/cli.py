@@ -273,8 +273,8 @@ def bench_scale(
 def bench_gen(
     model: list[str] = typer.Option(["qwen2-0.5b"], "--model", help="qwen2-0.5b, qwen2-1.5b, qwen2-7b, tiny (repeatable)"),
     variant: list[str] = typer.Option(["hf_dynamic", "hf_static", "engine"], "--variant",
-                                      help="hf_dynamic, hf_static, engine, engine_compiled, engine_matmul, "
-                                      "engine_spans, engine_eager (repeatable)"),
+                                      help="hf_dynamic, hf_static, engine, engine_compiled, engine_sdpa, "
+                                      "engine_matmul, engine_spans, engine_eager (repeatable)"),
     batch: int = typer.Option(256, "--batch", min=1, help="sequences per generate call"),
     prompt_tokens: int = typer.Option(64, "--prompt-tokens", min=1),
     new_tokens: int = typer.Option(256, "--new-tokens", min=2),

@@ -5,8 +5,10 @@ variant (EOS ignored, so every sequence decodes exactly `new_tokens`):
 - hf_dynamic: `model.generate` with its default dynamic cache;
 - hf_static: `cache_implementation="static"` (transformers compiles the decode step itself);
 - engine: rlscale's rollout engine (slotted KV cache, decode steps replayed as CUDA graphs);
-- engine_compiled: the same with the decode step compiled by torch.compile before capture;
-- engine_matmul: compiled, with decode attention as two batched matmuls instead of SDPA;
+- engine_compiled: the same with the decode step compiled by torch.compile before capture (decode
+  attention through flex attention, the engine's choice for a compiled step);
+- engine_sdpa: compiled, with decode attention through torch SDPA (cuDNN) instead;
+- engine_matmul: compiled, with decode attention as two batched matmuls;
 - engine_spans: compiled, each decode step attending to the live prefix of the cache in
   64-position spans (policy.generation.decode_span_bucket=64) instead of the whole cache;
 - engine_eager: the engine without graphs (what the graphs buy).
@@ -29,8 +31,16 @@ from rlscale.grpo.loss import token_logprobs_and_entropy
 
 # HBM bandwidth, bytes/s (vendor figures), for the bound; unknown devices report no fraction.
 MEMORY_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12, "A100": 2.0e12}
-VARIANTS = ("hf_dynamic", "hf_static", "engine", "engine_compiled", "engine_matmul", "engine_spans",
-            "engine_eager")
+# engine variants: RolloutEngine options beyond the default (graphs on CUDA, not compiled)
+ENGINE_VARIANTS = {
+    "engine": {},
+    "engine_compiled": {"compiled": True},
+    "engine_sdpa": {"compiled": True, "attention": "sdpa"},
+    "engine_matmul": {"compiled": True, "attention": "matmul"},
+    "engine_spans": {"compiled": True, "spans": True},
+    "engine_eager": {"graphs": False},
+}
+VARIANTS = ("hf_dynamic", "hf_static", *ENGINE_VARIANTS)
 
 
 def build_model(shape: str, device: torch.device, dtype: torch.dtype):
@@ -72,8 +82,8 @@ def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, static: bool):
     return lambda: model.generate(input_ids=prompts, attention_mask=mask, generation_config=config)
 
 
-def _engine_generate(model, prompts: torch.Tensor, new_tokens: int, graphs: bool, compiled: bool,
-                     attention: str = "sdpa", spans: bool = False):
+def _engine_generate(model, prompts: torch.Tensor, new_tokens: int, graphs: bool = True, compiled: bool = False,
+                     attention: str = "auto", spans: bool = False):
     from rlscale.rollout import RolloutEngine, SamplingMode
     from rlscale.rollout.engine import DECODE_SPAN_BUCKET
 
@@ -85,11 +95,13 @@ def _engine_generate(model, prompts: torch.Tensor, new_tokens: int, graphs: bool
 
 
 def logprob_agreement(model, prompts: torch.Tensor, new_tokens: int, rows: int = 16) -> dict:
-    """Engine logprobs of its own samples against the model's forward pass (what the trainer sees)."""
+    """Engine logprobs of its own samples against the model's forward pass (what the trainer sees),
+    from the engine as training runs it: on CUDA compiled, with flex decode attention."""
     from rlscale.rollout import RolloutEngine, SamplingMode
 
+    cuda = prompts.device.type == "cuda"
     engine = RolloutEngine(model, prompts.device, model.dtype, max_length=prompts.shape[1] + new_tokens + 64,
-                           use_cuda_graphs=prompts.device.type == "cuda")
+                           use_cuda_graphs=cuda, compile_decode=cuda)
     sample = prompts[:rows]
     out = engine.generate(sample.tolist(), new_tokens, SamplingMode(1.0), eos_ids=[1], pad_id=0, ignore_eos=True)
     full = torch.cat([sample, torch.tensor(out.tokens, device=sample.device)], dim=1)
@@ -110,10 +122,7 @@ def run_variant(name: str, model, prompts: torch.Tensor, new_tokens: int, reps: 
     if name.startswith("hf_"):
         fn = _hf_generate(model, prompts, new_tokens, static=name == "hf_static")
     else:
-        fn = _engine_generate(model, prompts, new_tokens, graphs=name != "engine_eager",
-                              compiled=name in ("engine_compiled", "engine_matmul", "engine_spans"),
-                              attention="matmul" if name == "engine_matmul" else "sdpa",
-                              spans=name == "engine_spans")
+        fn = _engine_generate(model, prompts, new_tokens, **ENGINE_VARIANTS[name])
     warmup_s = _timed(fn, device)  # compiles / captures; a full-length call so every shape is seen
     times = [_timed(fn, device) for _ in range(reps)]
     if kernel_tables is not None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlscale.rollout.forward import DecoderForward, KVCache, rotary_table
-from rlscale.rollout.sampling import SamplingMode, exponential_noise, sample_tokens
+from rlscale.rollout.sampling import SamplingMode, sample_tokens, uniform_draws
 from rlscale.rollout.weights import DecodeWeights, unsupported_reason
 
 
@@ -88,7 +88,7 @@ class _DecodeState:
 class RolloutEngine:
     def __init__(self, source_model, device: torch.device, dtype: torch.dtype, max_length: int = 2048,
                  use_cuda_graphs: bool | None = None, check_every: int = 16, prefill_tokens: int = 16384,
-                 compile_decode: bool = False, decode_attention: str = "sdpa",
+                 compile_decode: bool = False, decode_attention: str = "auto",
                  decode_span_bucket: int | None = None):
         if decode_span_bucket is not None and decode_span_bucket < 1:
             raise ValueError(f"decode_span_bucket must be positive or None, not {decode_span_bucket}")
@@ -100,6 +100,11 @@ class RolloutEngine:
         self.shape = self.weights.shape
         self.max_length = max_length
         cos, sin = rotary_table(source_model, max_length, self.device, dtype)
+        if decode_attention == "auto":
+            # flex attention is fast only as compiled code: the whole-cache step on CUDA. The span
+            # path leaves attention uncompiled between its compiled pieces, and CPU runs eagerly.
+            whole_compiled = compile_decode and self.device.type == "cuda" and decode_span_bucket is None
+            decode_attention = "flex" if whole_compiled else "sdpa"
         self.forward = DecoderForward(self.weights, cos, sin, decode_attention)
         self.span_bucket = decode_span_bucket
         if not compile_decode:
@@ -124,7 +129,7 @@ class RolloutEngine:
         """_forward_and_sample with spans, compiled in pieces whose shapes never depend on the span.
 
         torch.compile fuses the norms, rotary and activation kernels of a decode step, and the
-        sampling's logsumexp and noisy argmax into a reduction or two over the logits (captured into
+        sampling's logsumexp and CDF search into a few reductions over the logits (captured into
         the graph afterwards). Without spans the whole step is one compilation (dynamic=False) per
         sampling mode, batch bucket and cache length. With spans, a span (a Python int) inside it
         would make every span a compilation of its own (~20 s each on an H200), so instead three
@@ -141,9 +146,9 @@ class RolloutEngine:
         tail = torch.compile(self.forward.block_tail, dynamic=False)
         final = torch.compile(self._sample, dynamic=False)
 
-        def decode_and_sample(tokens, positions, cache, span, mode, noise):
+        def decode_and_sample(tokens, positions, cache, span, mode, uniform):
             h = self.forward.decode_hidden(tokens, positions, cache, span, head, tail)
-            return final(h, self.weights.final_norm, self.weights.lm_head, mode, noise)
+            return final(h, self.weights.final_norm, self.weights.lm_head, mode, uniform)
 
         return decode_and_sample
 
@@ -164,21 +169,21 @@ class RolloutEngine:
         self.state = _DecodeState(slots, max_new_tokens, self.device, pad_id, eos_ids)
 
     def _forward_and_sample(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, span: int,
-                            mode: SamplingMode, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return sample_tokens(self.forward.decode(tokens, positions, cache, span), mode, noise)
+                            mode: SamplingMode, uniform: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return sample_tokens(self.forward.decode(tokens, positions, cache, span), mode, uniform)
 
     def _sample(self, h: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, mode: SamplingMode,
-                noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                uniform: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The last piece of a step compiled in pieces: final norm, LM head, sampling."""
-        return sample_tokens(self.forward.final_logits(h, final_norm, lm_head), mode, noise)
+        return sample_tokens(self.forward.final_logits(h, final_norm, lm_head), mode, uniform)
 
     def _step(self, mode: SamplingMode, span: int) -> None:
         """One decode step on the static buffers: forward, sample, record, advance."""
         st = self.state
-        # the noise is drawn here, outside the compiled region: the native exponential_ is safe to
-        # capture in the CUDA graph, a random op inside an inductor graph may replay the same numbers
-        noise = None if mode.greedy else exponential_noise(len(st.tokens), self.shape.vocab_size, self.device)
-        tokens, logprobs = self._decode_and_sample(st.tokens, st.positions, self.cache, span, mode, noise)
+        # the draws are made here, outside the compiled region: the native rand is safe to capture
+        # in the CUDA graph, a random op inside an inductor graph may replay the same numbers
+        uniform = None if mode.greedy else uniform_draws(len(st.tokens), self.device)
+        tokens, logprobs = self._decode_and_sample(st.tokens, st.positions, self.cache, span, mode, uniform)
         tokens = torch.where(st.done, st.pad_id, tokens)
         st.out_tokens.index_copy_(1, st.step, tokens[:, None])
         st.out_logprobs.index_copy_(1, st.step, logprobs[:, None])

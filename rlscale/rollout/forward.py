@@ -20,6 +20,10 @@ import torch.nn.functional as F
 
 from rlscale.rollout.weights import DecodeWeights, ModelShape
 
+# How a decode step attends over the cache: torch SDPA (cuDNN/efficient kernels), two batched
+# matmuls, or flex attention (under torch.compile a Triton kernel for this shape; ~2.5x faster than
+# SDPA's kernels for 7 grouped queries over a 320-position cache on an H200, bench/results).
+DECODE_ATTENTION = ("sdpa", "matmul", "flex")
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -59,6 +63,28 @@ def rotary_table(source_model, max_length: int, device, dtype) -> tuple[torch.Te
     return cos[0].to(device=device, dtype=dtype), sin[0].to(device=device, dtype=dtype)
 
 
+FLEX_KV_BLOCK = 128  # cache positions per block of the flex block mask (flex attention's default)
+
+
+def live_prefix_block_mask(positions: torch.Tensor, span: int, queries: int):
+    """Flex attention block mask for a decode step: slot b ([B] `positions`) sees cache positions
+    0..positions[b] out of `span`, its `queries` query rows (the grouped heads) alike. Only the
+    blocks holding those positions are listed, so the kernel never reads the dead rest of the cache;
+    within them `kv_idx <= positions[b]` masks each position. Built once per step, from tensors only
+    (no host sync), so it lives inside the compiled step and the CUDA graph."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    slots, blocks = positions.shape[0], -(-span // FLEX_KV_BLOCK)
+    live = (positions // FLEX_KV_BLOCK + 1).clamp(max=blocks).to(torch.int32).view(slots, 1, 1)
+    order = torch.arange(blocks, device=positions.device, dtype=torch.int32).expand(slots, 1, 1, blocks)
+
+    def within_prefix(b, h, q_idx, kv_idx):
+        return kv_idx <= positions[b]
+
+    return BlockMask.from_kv_blocks(live, order.contiguous(), BLOCK_SIZE=FLEX_KV_BLOCK,
+                                    mask_mod=within_prefix, seq_lengths=(queries, span), compute_q_blocks=False)
+
+
 class DecoderForward:
     """Prefill and decode over the engine's weights; no Python state between calls besides the cache."""
 
@@ -66,8 +92,8 @@ class DecoderForward:
         self.w, self.s = weights, weights.shape
         self.cos, self.sin = cos, sin
         self.act = ACTIVATIONS[self.s.hidden_act]
-        if decode_attention not in ("sdpa", "matmul"):
-            raise ValueError(f"decode_attention must be sdpa or matmul, not {decode_attention!r}")
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, not {decode_attention!r}")
         self.decode_attention = decode_attention
 
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor, qkv: torch.Tensor, qkv_bias: torch.Tensor | None,
@@ -135,8 +161,12 @@ class DecoderForward:
         # the query heads sharing a kv head act as that head's "query positions": no kv repeat
         return q.unflatten(1, (s.num_kv_heads, s.num_heads // s.num_kv_heads))
 
-    def visible(self, positions: torch.Tensor, span: int) -> torch.Tensor:
-        """Attention mask [B, 1, 1, span]: slot b attends to its positions 0..positions[b]."""
+    def visible(self, positions: torch.Tensor, span: int):
+        """What slot b may attend to, its positions 0..positions[b]: a mask [B, 1, 1, span], or for
+        flex attention a block mask listing only each slot's live blocks (so the kernel skips the
+        rest of the cache: the live prefix without a graph per span)."""
+        if self.decode_attention == "flex":
+            return live_prefix_block_mask(positions, span, self.s.num_heads // self.s.num_kv_heads)
         return (torch.arange(span, device=positions.device) <= positions[:, None])[:, None, None, :]
 
     def decode_attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -147,6 +177,10 @@ class DecoderForward:
         keys, values = keys[:batch, :, :span], values[:batch, :, :span]
         if self.decode_attention == "sdpa":
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+        elif self.decode_attention == "flex":
+            from torch.nn.attention.flex_attention import flex_attention
+
+            attn = flex_attention(q, keys, values, block_mask=visible)
         else:  # plain batched matmuls; torch.compile, when it covers them, fuses the mask and softmax
             scores = (q @ keys.transpose(-1, -2)).float() * self.s.head_dim ** -0.5
             probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(values.dtype)

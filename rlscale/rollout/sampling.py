@@ -35,30 +35,75 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torc
     return logits
 
 
-def exponential_noise(rows: int, vocab: int, device) -> torch.Tensor:
-    """Exp(1) noise for `sample_tokens`, from the native RNG op (safe inside a captured CUDA graph)."""
-    return torch.empty(rows, vocab, dtype=torch.float32, device=device).exponential_()
+def uniform_draws(rows: int, device) -> torch.Tensor:
+    """One U[0, 1) draw per row for `inverse_cdf_tokens` (native RNG op, safe in a CUDA graph)."""
+    return torch.rand(rows, dtype=torch.float32, device=device)
+
+
+def _below(x: torch.Tensor) -> torch.Tensor:
+    """The largest float32 strictly below x (x > 0): a target that rounding cannot push past x."""
+    return torch.nextafter(x, torch.zeros_like(x))
+
+
+# Vocabulary entries per block of the blocked reductions below. A row-wide reduction over ~150k
+# entries leaves only B rows of parallel work (split into slow two-stage reductions under
+# torch.compile); blocks give B × V / 1024 independent rows that one pass over the logits covers.
+BLOCK = 1024
+
+
+def vocab_blocks(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """[B, V] -> [B, ceil(V / block), block], padded with -inf (a padded entry has no mass)."""
+    rows, vocab = x.shape
+    return torch.nn.functional.pad(x, (0, (-vocab) % block), value=float("-inf")).view(rows, -1, block)
+
+
+def inverse_cdf_tokens(scaled: torch.Tensor, uniform: torch.Tensor,
+                       block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [B] drawn from softmax(scaled) [B, V] (float32; -inf excludes a token) by inverting
+    its CDF at `uniform` [B] in [0, 1), and logsumexp(scaled) [B].
+
+    One random number per row instead of one per vocabulary entry, and one pass over the logits:
+    each block's log-mass (a logsumexp over its `block` entries), then, on [B, V / block], the
+    block whose cumulative mass passes the target, then the token within that block. Targets are
+    kept strictly below each cumulative total, so float rounding can never land on a token of zero
+    probability.
+    """
+    blocks = vocab_blocks(scaled, block)
+    block_log_mass = torch.logsumexp(blocks, -1)  # [B, C]
+    log_total = torch.logsumexp(block_log_mass, -1, keepdim=True)  # [B, 1]
+    block_cdf = (block_log_mass - log_total).exp().cumsum(-1)
+    target = torch.minimum(uniform[:, None] * block_cdf[:, -1:], _below(block_cdf[:, -1:]))
+    chosen_block = torch.searchsorted(block_cdf, target, right=True)  # [B, 1]
+    before = torch.where(chosen_block > 0, block_cdf.gather(-1, (chosen_block - 1).clamp(min=0)), 0.0)
+    inside = blocks.gather(1, chosen_block[:, :, None].expand(-1, -1, block)).squeeze(1)  # [B, block]
+    within = (inside - log_total).exp().cumsum(-1)
+    rest = torch.minimum((target - before).clamp(min=0.0), _below(within[:, -1:]))
+    tokens = chosen_block * block + torch.searchsorted(within, rest, right=True)
+    return tokens.squeeze(-1), log_total.squeeze(-1)
 
 
 def sample_tokens(logits: torch.Tensor, mode: SamplingMode,
-                  noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  uniform: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens [B] and their log-probabilities under the unmodified distribution [B].
 
     Log-probabilities are those the trainer recomputes (temperature 1, no filtering), so the two
-    can be compared token by token. Sampling is the exponential race (argmax p / E, E ~ Exp(1))
-    taken in log space, argmax(logits / T - log E): no softmax, no sort, no host sync, so under
-    torch.compile it and the logsumexp fuse into a reduction or two over the logits.
-    `noise` [B, vocab] (Exp(1), float32) may come from outside: a compiled caller passes noise
-    generated eagerly, since random ops inside an inductor graph that is then captured in a CUDA
-    graph may replay the same numbers.
+    can be compared token by token. Sampling inverts the tempered, filtered distribution's CDF at
+    one uniform draw per row (`inverse_cdf_tokens`): no sort, no host sync, and one random number
+    per row rather than per vocabulary entry. `uniform` [B] (U[0, 1), float32) may come from
+    outside: a compiled caller passes draws made eagerly, since random ops inside an inductor graph
+    that is then captured in a CUDA graph may replay the same numbers.
     """
     logits = logits.float()
     if mode.greedy:
         tokens = logits.argmax(-1)
     else:
-        scaled = filter_logits(logits / mode.temperature, mode.top_k, mode.top_p)  # no-op when off
-        if noise is None:
-            noise = exponential_noise(*logits.shape, logits.device)
-        tokens = (scaled - noise.log()).argmax(-1)
+        unmodified = mode.temperature == 1.0 and mode.top_k is None and mode.top_p >= 1.0
+        scaled = logits if unmodified else filter_logits(logits / mode.temperature, mode.top_k, mode.top_p)
+        if uniform is None:
+            uniform = uniform_draws(logits.shape[0], logits.device)
+        tokens, scaled_log_total = inverse_cdf_tokens(scaled, uniform)
+        if unmodified:  # the sampling distribution is the model's own: its normaliser serves both
+            chosen = logits.gather(-1, tokens[:, None]).squeeze(-1)
+            return tokens, chosen - scaled_log_total
     chosen = logits.gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, chosen - torch.logsumexp(logits, -1)
+    return tokens, chosen - torch.logsumexp(vocab_blocks(logits), -1).logsumexp(-1)

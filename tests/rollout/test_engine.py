@@ -51,7 +51,7 @@ def recomputed_logprobs(model, prompt, response) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+@pytest.mark.parametrize("attention", ["sdpa", "matmul", "flex"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_tokens_equal_hf_generate_and_logprobs_equal_the_trainers(family, attention):
     model = make(family)
@@ -163,16 +163,17 @@ def test_logprobs_are_the_untempered_log_softmax_at_the_chosen_tokens(mode, dtyp
         assert kept.gather(-1, tokens[:, None]).all()
 
 
-def test_given_noise_the_sample_is_the_argmax_of_scaled_logits_minus_log_noise():
+def test_given_uniform_draws_the_sample_inverts_the_tempered_cdf():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(32, 500, generator=g)
-    noise = torch.empty(32, 500).exponential_(generator=g)
+    uniform = torch.rand(32, generator=g)
     mode = SamplingMode(0.8)
     rng = torch.get_rng_state()
-    first, second = sample_tokens(logits, mode, noise), sample_tokens(logits, mode, noise)
-    assert torch.equal(torch.get_rng_state(), rng)  # the noise given is all the randomness used
+    first, second = sample_tokens(logits, mode, uniform), sample_tokens(logits, mode, uniform)
+    assert torch.equal(torch.get_rng_state(), rng)  # the draws given are all the randomness used
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
-    assert torch.equal(first[0], (logits / 0.8 - noise.log()).argmax(-1))
+    cdf = torch.softmax(logits.double() / 0.8, -1).cumsum(-1)
+    assert torch.equal(first[0], torch.searchsorted(cdf, uniform.double()[:, None], right=True).squeeze(-1))
 
 
 def test_decode_span_is_the_smallest_bucket_multiple_covering_every_position_read():
@@ -195,7 +196,7 @@ def test_decode_span_is_the_smallest_bucket_multiple_covering_every_position_rea
         RolloutEngine(make("qwen2"), torch.device("cpu"), torch.float32, max_length=128, decode_span_bucket=0)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+@pytest.mark.parametrize("attention", ["sdpa", "matmul", "flex"])
 def test_decode_over_the_live_span_equals_decode_over_the_whole_cache(attention):
     model = make("qwen2")
     g = torch.Generator().manual_seed(7)
@@ -266,7 +267,7 @@ def test_compiled_decode_and_sample_gives_the_eager_tokens(family, bucket):
     compiled = RolloutEngine(model, torch.device("cpu"), torch.float32, compile_decode=True, **options)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         for mode, new_tokens in ((SamplingMode(0.0), 100), (SamplingMode(1.0), 8)):
-            # same seed: both draw the same noise eagerly, so sampled tokens agree too
+            # same seed: both make the same draws eagerly, so sampled tokens agree too
             outs = []
             for engine in (eager, compiled):
                 torch.manual_seed(6)
