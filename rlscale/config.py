@@ -51,9 +51,9 @@ class GenerationConfig(_Section):
                           "torch.compile before capturing it (compiles at the first generation of each "
                           "sampling mode)")
     decode_span_bucket: int | None = Field(
-        None, ge=1, description="engine: decode attention reads only the live prefix of the KV cache, in "
+        None, ge=1, description="engine: SDPA decode attention over the live prefix of the KV cache, in "
         "spans of this many positions (a CUDA graph per span, compiled in span-independent pieces); "
-        "null = the whole cache, one compiled graph")
+        "null = one compiled graph whose flex attention reads each sequence's live cache blocks (faster)")
 
 
 class OptimizerConfig(_Section):

@@ -18,6 +18,7 @@ from rlscale.config import Config, token_budget
 from rlscale.grpo.loss import grpo_token_loss, linear_logprobs
 from rlscale.models import PromptRenderer, load_model, load_tokenizer, pick_device, pick_dtype
 from rlscale.models.packed_attention import packed_kwargs, use_packed_attention
+from rlscale.models.prompts import decode_responses
 from rlscale.workers.batch import Rollouts, TrainBatch
 from rlscale.rollout import RolloutEngine, SamplingMode, StopStrings, round_up, unsupported_reason
 from rlscale.telemetry.torch_profile import CallProfiler
@@ -127,7 +128,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
             stop_check=StopStrings(tok, params.stop_strings) if params.stop_strings else None)
         self.last_generation_timings = out.timings
         self.profiler.mark("engine generate")
-        decoded = tok.batch_decode(out.tokens, skip_special_tokens=True)
+        decoded = decode_responses(tok, out.tokens)
         return Rollouts(prompt_ids=prompt_ids, response_ids=out.tokens, texts=decoded,
                         truncated=[not stopped for stopped in out.stopped], logprobs=out.logprobs)
 
@@ -186,7 +187,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
             cut = _response_length(row, tok.eos_token_id, tok.pad_token_id)
             responses.append(row[:cut])
             truncated.append(cut == params.max_new_tokens and row[cut - 1] != tok.eos_token_id)
-        decoded = tok.batch_decode(responses, skip_special_tokens=True)
+        decoded = decode_responses(tok, responses)
         return Rollouts(prompt_ids=prompt_ids, response_ids=responses, texts=decoded, truncated=truncated)
 
     # ------------------------------------------------------------------ training

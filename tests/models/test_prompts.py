@@ -30,3 +30,31 @@ def test_render_all_renders_each_distinct_text_once_and_matches_render():
         assert rendered[0] != rendered[4]
         rendered[0].append(-1)  # rows of one text are separate lists (callers may cut them)
         assert rendered[1] != rendered[0]
+
+
+def bpe_tokenizer(clean_up: bool):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(["12 + 30 = 42 , so the answer is 42 ."] * 50, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                   clean_up_tokenization_spaces=clean_up)
+
+
+def test_decode_responses_equals_batch_decode_and_skips_special_tokens():
+    import random
+
+    from rlscale.models.prompts import decode_responses
+
+    random.seed(0)
+    for tok in (load_tokenizer("builtin:tiny-arith"), bpe_tokenizer(False), bpe_tokenizer(True)):
+        rows = [[random.randrange(len(tok)) for _ in range(random.randint(0, 40))] for _ in range(64)]
+        rows.append([tok.eos_token_id, tok.pad_token_id])
+        texts = decode_responses(tok, rows)
+        assert texts == tok.batch_decode(rows, skip_special_tokens=True)
+        assert texts[-1] == "" and len(texts) == len(rows)
