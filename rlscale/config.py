@@ -53,7 +53,8 @@ class GenerationConfig(_Section):
     decode_span_bucket: int | None = Field(
         None, ge=1, description="engine: SDPA decode attention over the live prefix of the KV cache, in "
         "spans of this many positions (a CUDA graph per span, compiled in span-independent pieces); "
-        "null = one compiled graph whose flex attention reads each sequence's live cache blocks (faster)")
+        "null = the whole cache in one graph (compiled on CUDA, where flex attention reads only each "
+        "sequence's live cache blocks: faster)")
 
 
 class OptimizerConfig(_Section):

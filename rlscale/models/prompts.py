@@ -41,9 +41,15 @@ class PromptRenderer:
 
 def decode_responses(tokenizer, rows: list[list[int]]) -> list[str]:
     """`batch_decode(rows, skip_special_tokens=True)`, through the Rust tokenizer's own batch call
-    when the result is the same (a fast tokenizer that does no clean-up of spaces): it decodes the
-    rows in parallel, and transformers' per-row loop costs ~25 ms for a 256 × 256-token batch."""
+    when that is the same thing (a fast tokenizer whose class keeps the base decode methods and
+    does no clean-up of spaces): it decodes the rows in parallel, where transformers' per-row loop
+    costs ~25 ms for a 256 × 256-token batch."""
+    from transformers import PreTrainedTokenizerFast
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    plain = isinstance(tokenizer, PreTrainedTokenizerFast) and all(
+        getattr(type(tokenizer), name) is getattr(PreTrainedTokenizerFast, name)
+        for name in ("decode", "_decode", "batch_decode"))
+    if backend is not None and plain and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return backend.decode_batch(rows, skip_special_tokens=True)
     return tokenizer.batch_decode(rows, skip_special_tokens=True)

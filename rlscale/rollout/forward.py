@@ -15,10 +15,15 @@ the other pieces once for every span and every layer, and leave attention uncomp
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from rlscale.rollout.weights import DecodeWeights, ModelShape
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 # How a decode step attends over the cache: torch SDPA (cuDNN/efficient kernels), two batched
 # matmuls, or flex attention (under torch.compile a Triton kernel for this shape; ~2.5x faster than
@@ -161,7 +166,7 @@ class DecoderForward:
         # the query heads sharing a kv head act as that head's "query positions": no kv repeat
         return q.unflatten(1, (s.num_kv_heads, s.num_heads // s.num_kv_heads))
 
-    def visible(self, positions: torch.Tensor, span: int):
+    def visible(self, positions: torch.Tensor, span: int) -> torch.Tensor | BlockMask:
         """What slot b may attend to, its positions 0..positions[b]: a mask [B, 1, 1, span], or for
         flex attention a block mask listing only each slot's live blocks (so the kernel skips the
         rest of the cache: the live prefix without a graph per span)."""
@@ -170,7 +175,7 @@ class DecoderForward:
         return (torch.arange(span, device=positions.device) <= positions[:, None])[:, None, None, :]
 
     def decode_attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                      visible: torch.Tensor) -> torch.Tensor:
+                      visible: torch.Tensor | BlockMask) -> torch.Tensor:
         """q [B, Hkv, G, D] over the layer cache's first B slots and first span = visible.shape[-1]
         positions -> attention output [B, H * D]."""
         batch, span = q.shape[0], visible.shape[-1]

@@ -54,7 +54,18 @@ BLOCK = 1024
 def vocab_blocks(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """[B, V] -> [B, ceil(V / block), block], padded with -inf (a padded entry has no mass)."""
     rows, vocab = x.shape
-    return torch.nn.functional.pad(x, (0, (-vocab) % block), value=float("-inf")).view(rows, -1, block)
+    pad = (-vocab) % block
+    return torch.nn.functional.pad(x, (0, pad), value=float("-inf")).view(rows, (vocab + pad) // block, block)
+
+
+def flat_cdf(mass: torch.Tensor, sums: torch.Tensor | None = None) -> torch.Tensor:
+    """Running sums of `mass` [..., n] (≥ 0) along the last axis that never decrease and stay
+    exactly flat across entries without mass. A parallel scan (CUDA's cumsum, inductor's) adds in
+    a tree, so its sum can rise by a rounding step at an entry of zero mass, where the search
+    below could then land; zeroing those entries and carrying the running maximum rules it out.
+    `sums`: the running sums as some scan computed them (default: `mass.cumsum(-1)`)."""
+    sums = mass.cumsum(-1) if sums is None else sums
+    return torch.where(mass > 0, sums, 0.0).cummax(-1).values
 
 
 def inverse_cdf_tokens(scaled: torch.Tensor, uniform: torch.Tensor,
@@ -64,22 +75,24 @@ def inverse_cdf_tokens(scaled: torch.Tensor, uniform: torch.Tensor,
 
     One random number per row instead of one per vocabulary entry, and one pass over the logits:
     each block's log-mass (a logsumexp over its `block` entries), then, on [B, V / block], the
-    block whose cumulative mass passes the target, then the token within that block. Targets are
-    kept strictly below each cumulative total, so float rounding can never land on a token of zero
-    probability.
+    block whose cumulative mass passes the target, then the token within that block. The CDFs are
+    flat across entries without mass and targets are kept strictly below each cumulative total,
+    so float rounding cannot land on a token of zero probability; indices are clamped into range
+    so that non-finite logits give some token rather than an out-of-bounds read.
     """
+    rows, vocab = scaled.shape
     blocks = vocab_blocks(scaled, block)
     block_log_mass = torch.logsumexp(blocks, -1)  # [B, C]
     log_total = torch.logsumexp(block_log_mass, -1, keepdim=True)  # [B, 1]
-    block_cdf = (block_log_mass - log_total).exp().cumsum(-1)
+    block_cdf = flat_cdf((block_log_mass - log_total).exp())
     target = torch.minimum(uniform[:, None] * block_cdf[:, -1:], _below(block_cdf[:, -1:]))
-    chosen_block = torch.searchsorted(block_cdf, target, right=True)  # [B, 1]
+    chosen_block = torch.searchsorted(block_cdf, target, right=True).clamp(max=blocks.shape[1] - 1)  # [B, 1]
     before = torch.where(chosen_block > 0, block_cdf.gather(-1, (chosen_block - 1).clamp(min=0)), 0.0)
     inside = blocks.gather(1, chosen_block[:, :, None].expand(-1, -1, block)).squeeze(1)  # [B, block]
-    within = (inside - log_total).exp().cumsum(-1)
+    within = flat_cdf((inside - log_total).exp())
     rest = torch.minimum((target - before).clamp(min=0.0), _below(within[:, -1:]))
     tokens = chosen_block * block + torch.searchsorted(within, rest, right=True)
-    return tokens.squeeze(-1), log_total.squeeze(-1)
+    return tokens.squeeze(-1).clamp(max=vocab - 1), log_total.squeeze(-1)
 
 
 def sample_tokens(logits: torch.Tensor, mode: SamplingMode,

@@ -120,6 +120,8 @@ def pack_batch(batch: TrainBatch, budget: int) -> list[PackedMicroBatch]:
     lengths = batch.attention_mask.sum(1).numpy()
     ids = batch.input_ids.numpy()
     mask = batch.response_mask.numpy() > 0  # [B, L-1]
+    if mask.shape[1] == 0:  # one-token samples: no targets, and argmax needs a column
+        mask = np.zeros((len(lengths), 1), dtype=bool)
     has = mask.any(1)
     first = mask.argmax(1)
     last = mask.shape[1] - 1 - mask[:, ::-1].argmax(1)

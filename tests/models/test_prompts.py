@@ -58,3 +58,19 @@ def test_decode_responses_equals_batch_decode_and_skips_special_tokens():
         texts = decode_responses(tok, rows)
         assert texts == tok.batch_decode(rows, skip_special_tokens=True)
         assert texts[-1] == "" and len(texts) == len(rows)
+
+
+def test_decode_responses_follows_a_tokenizer_that_overrides_decoding():
+    from rlscale.models.prompts import decode_responses
+
+    base = bpe_tokenizer(False)
+
+    class Shouting(type(base)):
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs).upper()
+
+    tok = Shouting(tokenizer_object=base.backend_tokenizer, pad_token="<pad>", eos_token="<eos>",
+                   clean_up_tokenization_spaces=False)
+    rows = [base.encode("12 + 30 = 42 , so the answer is 42 .")]
+    assert decode_responses(tok, rows) == tok.batch_decode(rows, skip_special_tokens=True)
+    assert decode_responses(tok, rows) == [decode_responses(base, rows)[0].upper()]

@@ -309,3 +309,37 @@ def test_models_outside_the_supported_families_are_named():
         from transformers import GPT2LMHeadModel
         RolloutEngine(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)), torch.device("cpu"),
                       torch.float32)
+
+
+@needs_a_compiler
+def test_compiled_flex_decode_attention_reads_the_live_blocks_and_equals_masked_sdpa():
+    # eager flex applies only the mask function; compiled flex (as on CUDA) also skips every block
+    # the block mask does not list, so the list itself is checked here
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    from rlscale.rollout.forward import FLEX_KV_BLOCK, live_prefix_block_mask
+
+    slots, kv_heads, group, dim, span = 4, 2, 7, 16, 320
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(slots, kv_heads, group, dim, generator=g)
+    keys, values = (torch.randn(slots, kv_heads, span, dim, generator=g) for _ in range(2))
+    positions = torch.tensor([0, 127, 200, 319])  # first, last and middle blocks
+
+    def attend(q, keys, values, positions):
+        return flex_attention(q, keys, values, block_mask=live_prefix_block_mask(positions, span, group))
+
+    def attend_first_block_only(q, keys, values, positions):
+        mask = live_prefix_block_mask(positions, span, group)
+        first = BlockMask.from_kv_blocks(torch.ones(slots, 1, 1, dtype=torch.int32), mask.kv_indices,
+                                         BLOCK_SIZE=FLEX_KV_BLOCK, mask_mod=mask.mask_mod,
+                                         seq_lengths=(group, span), compute_q_blocks=False)
+        return flex_attention(q, keys, values, block_mask=first)
+
+    mask = (torch.arange(span) <= positions[:, None])[:, None, None, :]
+    expected = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    out = torch.compile(attend, dynamic=False)(q, keys, values, positions)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    # the negative control: listing fewer blocks changes the slots whose positions pass the first
+    short = torch.compile(attend_first_block_only, dynamic=False)(q, keys, values, positions)
+    changed = (short - out).abs().amax(dim=(1, 2, 3))
+    assert changed[:2].max() < 1e-5 and changed[2:].min() > 1e-2

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlscale.rollout.sampling import inverse_cdf_tokens
+from rlscale.rollout.sampling import flat_cdf, inverse_cdf_tokens
 
 
 def reference_tokens(scaled: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -49,3 +49,37 @@ def test_a_row_with_one_token_of_mass_always_draws_it():
     scaled = torch.full((3, 2000), float("-inf"))
     scaled[:, 1234] = 0.0
     assert inverse_cdf_tokens(scaled, torch.tensor([0.0, 0.5, 1 - 2 ** -24]), 1024)[0].tolist() == [1234] * 3
+
+
+def tree_sums(mass: torch.Tensor) -> torch.Tensor:
+    """Running sums along the last axis in the order a parallel (Hillis–Steele) scan adds them."""
+    sums, step = mass.clone(), 1
+    while step < mass.shape[-1]:
+        shifted = torch.nn.functional.pad(sums[..., :-step], (step, 0))
+        sums, step = sums + shifted, step * 2
+    return sums
+
+
+def test_flat_cdf_stays_flat_at_zero_mass_where_a_tree_scan_rises():
+    g = torch.Generator().manual_seed(6)
+    mass = torch.rand(512, 300, generator=g)
+    mass[torch.rand(512, 300, generator=g) < 0.5] = 0.0
+    mass = mass / mass.sum(-1, keepdim=True)
+    raw = tree_sums(mass)
+    previous = torch.nn.functional.pad(raw[:, :-1], (1, 0))
+    zero = mass == 0
+    assert (raw[zero] != previous[zero]).any()  # the input does show the tree scan's rounding rises
+    cdf = flat_cdf(mass, raw)
+    previous = torch.nn.functional.pad(cdf[:, :-1], (1, 0))
+    assert torch.equal(cdf[zero], previous[zero]) and (cdf >= previous).all()
+    # every target below the total then lands on an entry with mass
+    target = torch.minimum(torch.rand(512, 1, generator=g) * cdf[:, -1:], torch.nextafter(cdf[:, -1:], torch.zeros(1)))
+    chosen = torch.searchsorted(cdf, target, right=True)
+    assert (mass.gather(-1, chosen) > 0).all()
+
+
+def test_non_finite_logits_still_give_tokens_in_range_and_no_rows_give_none():
+    tokens, _ = inverse_cdf_tokens(torch.full((3, 2500), float("nan")), torch.rand(3))
+    assert tokens.min() >= 0 and tokens.max() < 2500
+    tokens, log_total = inverse_cdf_tokens(torch.zeros(0, 2500), torch.rand(0))
+    assert tokens.shape == (0,) and log_total.shape == (0,)

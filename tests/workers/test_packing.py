@@ -141,3 +141,12 @@ def test_pack_batch_refuses_response_masks_it_cannot_represent():
     batch.response_mask[0, 3] = 0  # a hole in the response
     with pytest.raises(ValueError, match="one span"):
         pack_batch(batch, 100)
+
+
+def test_one_token_samples_pack_with_no_targets():
+    # one-token prompts, empty responses: the response layout [B, L-1] has no columns at all
+    batch = build_train_batch([[5], [6]], [[], []], [0.0, 0.0], pad_id=0, max_length=8)
+    assert batch.response_mask.shape == (2, 0)
+    (mb,) = pack_batch(batch, 100)
+    assert mb.input_ids.tolist() == [[5, 6]] and mb.cu_seqlens.tolist() == [0, 1, 2]
+    assert mb.targets.numel() == 0 and mb.logit_index.numel() == 0
