@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlscale.rollout.sampling import flat_cdf, inverse_cdf_tokens
+from rlscale.rollout.sampling import block_size, flat_cdf, inverse_cdf_tokens
 
 
 def reference_tokens(scaled: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -83,3 +83,17 @@ def test_non_finite_logits_still_give_tokens_in_range_and_no_rows_give_none():
     assert tokens.min() >= 0 and tokens.max() < 2500
     tokens, log_total = inverse_cdf_tokens(torch.zeros(0, 2500), torch.rand(0))
     assert tokens.shape == (0,) and log_total.shape == (0,)
+
+
+def test_block_size_gives_about_128_blocks_within_16_to_1024_entries():
+    assert [block_size(v) for v in (99, 2048, 2049, 32000, 151936, 10 ** 6)] == [16, 16, 32, 256, 1024, 1024]
+    for vocab in (99, 5000, 32000, 128256):
+        size = block_size(vocab)
+        assert size in (16, 1024) or 64 < -(-vocab // size) <= 128
+
+
+def test_default_blocks_draw_what_any_block_size_draws():
+    g = torch.Generator().manual_seed(9)
+    scaled = torch.randn(32, 99, generator=g) * 2
+    uniform = torch.rand(32, generator=g)
+    assert torch.equal(inverse_cdf_tokens(scaled, uniform)[0], inverse_cdf_tokens(scaled, uniform, 1024)[0])
