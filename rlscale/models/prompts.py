@@ -46,10 +46,9 @@ def decode_responses(tokenizer, rows: list[list[int]]) -> list[str]:
     costs ~25 ms for a 256 × 256-token batch."""
     from transformers import PreTrainedTokenizerFast
 
-    backend = getattr(tokenizer, "backend_tokenizer", None)
     plain = isinstance(tokenizer, PreTrainedTokenizerFast) and all(
         getattr(type(tokenizer), name) is getattr(PreTrainedTokenizerFast, name)
         for name in ("decode", "_decode", "batch_decode"))
-    if backend is not None and plain and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return backend.decode_batch(rows, skip_special_tokens=True)
+    if plain and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.backend_tokenizer.decode_batch(rows, skip_special_tokens=True)
     return tokenizer.batch_decode(rows, skip_special_tokens=True)

@@ -4,8 +4,10 @@
     engine.sync_weights(policy_model)           # after every update; copies in place, no disk
     out = engine.generate(prompt_ids, max_new_tokens=256, mode=SamplingMode(1.0), eos_ids=[eos])
 
-A decode step attends to the live prefix of the cache only: its first `span` positions, `span`
-the multiple of `decode_span_bucket` that covers the longest sequence so far (`decode_span`).
+A compiled decode step on CUDA attends through flex attention with a block mask of each
+sequence's live cache blocks, built on the device every step. With `decode_span_bucket` instead,
+attention (SDPA) reads the cache's first `span` positions only, `span` the multiple of the bucket
+that covers the longest sequence so far (`decode_span`).
 On CUDA each (batch bucket, cache length, sampling mode, span) gets one captured graph, captured
 when first needed; the host loop picks the graph for the step's span, replays it and, every
 `check_every` steps, reads back whether all sequences have stopped. With `compile_decode` the step

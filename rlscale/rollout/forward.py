@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
 # How a decode step attends over the cache: torch SDPA (cuDNN/efficient kernels), two batched
-# matmuls, or flex attention (under torch.compile a Triton kernel for this shape; ~2.5x faster than
-# SDPA's kernels for 7 grouped queries over a 320-position cache on an H200, bench/results).
+# matmuls, or flex attention (under torch.compile a Triton kernel that reads only the live cache
+# blocks: 14.5 µs per layer call against SDPA's 32.5 µs in a 0.5B decode step on an H200, bench/results).
 DECODE_ATTENTION = ("sdpa", "matmul", "flex")
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 

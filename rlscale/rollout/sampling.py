@@ -61,11 +61,18 @@ def block_size(vocab: int) -> int:
     return size
 
 
-def vocab_blocks(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+def vocab_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """[B, V] -> [B, ceil(V / block), block], padded with -inf (a padded entry has no mass)."""
     rows, vocab = x.shape
     pad = (-vocab) % block
     return torch.nn.functional.pad(x, (0, pad), value=float("-inf")).view(rows, (vocab + pad) // block, block)
+
+
+def blocked_logsumexp(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`vocab_blocks` output [B, C, block] -> each block's logsumexp [B, C] and the row's [B, 1]:
+    one parallel pass over the logits, then a reduction over C entries per row."""
+    block_log_mass = torch.logsumexp(blocks, -1)
+    return block_log_mass, torch.logsumexp(block_log_mass, -1, keepdim=True)
 
 
 def flat_cdf(mass: torch.Tensor, sums: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,11 +98,10 @@ def inverse_cdf_tokens(scaled: torch.Tensor, uniform: torch.Tensor,
     so float rounding cannot land on a token of zero probability; indices are clamped into range
     so that non-finite logits give some token rather than an out-of-bounds read.
     """
-    rows, vocab = scaled.shape
+    vocab = scaled.shape[-1]
     block = block or block_size(vocab)
     blocks = vocab_blocks(scaled, block)
-    block_log_mass = torch.logsumexp(blocks, -1)  # [B, C]
-    log_total = torch.logsumexp(block_log_mass, -1, keepdim=True)  # [B, 1]
+    block_log_mass, log_total = blocked_logsumexp(blocks)  # [B, C], [B, 1]
     block_cdf = flat_cdf((block_log_mass - log_total).exp())
     target = torch.minimum(uniform[:, None] * block_cdf[:, -1:], _below(block_cdf[:, -1:]))
     chosen_block = torch.searchsorted(block_cdf, target, right=True).clamp(max=blocks.shape[1] - 1)  # [B, 1]
@@ -119,6 +125,7 @@ def sample_tokens(logits: torch.Tensor, mode: SamplingMode,
     that is then captured in a CUDA graph may replay the same numbers.
     """
     logits = logits.float()
+    log_total = None
     if mode.greedy:
         tokens = logits.argmax(-1)
     else:
@@ -128,7 +135,7 @@ def sample_tokens(logits: torch.Tensor, mode: SamplingMode,
             uniform = uniform_draws(logits.shape[0], logits.device)
         tokens, scaled_log_total = inverse_cdf_tokens(scaled, uniform)
         if unmodified:  # the sampling distribution is the model's own: its normaliser serves both
-            chosen = logits.gather(-1, tokens[:, None]).squeeze(-1)
-            return tokens, chosen - scaled_log_total
-    chosen = logits.gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, chosen - torch.logsumexp(vocab_blocks(logits, block_size(logits.shape[-1])), -1).logsumexp(-1)
+            log_total = scaled_log_total
+    if log_total is None:
+        log_total = blocked_logsumexp(vocab_blocks(logits, block_size(logits.shape[-1])))[1].squeeze(-1)
+    return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1) - log_total
