@@ -56,6 +56,10 @@ _SECRET_NAME = re.compile(
     re.IGNORECASE)
 _HF_TOKEN_VALUE = re.compile(r"\bhf_[A-Za-z0-9]{20,}\b")
 _MIN_SECRET_LEN = 8  # shorter values are not matched in text (too many false hits)
+# A head that is up but whose job agent is not (a cluster still starting, an agent restarting)
+# answers a submission with this 500; Ray says to try again later, so `submit` does, for a while.
+_NO_AGENT = "No available agent to submit job"
+SUBMIT_RETRY_S = 120.0
 
 job_app = typer.Typer(no_args_is_help=True, help="Run training on a Ray cluster (the Ray Jobs API).")
 
@@ -102,8 +106,14 @@ def _auth_headers(token: str | None) -> dict | None:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    """The line that says what went wrong; for a server-side traceback that Ray passes on
+    ("Request failed with status code 400: Traceback ..."), its status and final line."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if len(lines) > 1 and lines[0].endswith("Traceback (most recent call last):"):
+        return f"{lines[0].split(' Traceback')[0]} {lines[-1]}"
+    return lines[0]
 
 
 @contextmanager
@@ -415,8 +425,7 @@ def submit_cmd(
     url, client = connect(address, token)
     # Ray warns that it skips .git/.venv by default; rlscale excludes them anyway.
     logging.getLogger("ray._private.runtime_env.working_dir").setLevel(logging.ERROR)
-    with _ray_errors(url):
-        job_id = client.submit_job(submission_id=submission_id, **submission)
+    job_id = submit_when_ready(client, url, submission_id, submission)
     hint = "" if address is None and not os.environ.get("RAY_ADDRESS") else f" --address {url}"
     typer.echo(f"submission id: {job_id}")
     typer.echo(f"follow its logs: rlscale job logs {job_id} --follow{hint}")
@@ -425,6 +434,43 @@ def submit_cmd(
         return
     with _ray_errors(url, job_id):
         _follow_to_end(client, job_id, extra)
+
+
+def _job_exists(client, submission_id: str) -> bool:
+    try:
+        client.get_job_info(submission_id)
+        return True
+    except Exception:
+        return False
+
+
+def submit_when_ready(client, url: str, submission_id: str | None, submission: dict,
+                      retry_s: float = SUBMIT_RETRY_S, pause_s: float = 2.0) -> str:
+    """Submit, retrying while the head has no job agent yet; the submission id is fixed up front,
+    so a retry after an attempt that did reach the agent finds that job instead of a second one."""
+    from ray.dashboard.modules.job.job_manager import generate_job_id
+
+    if submission_id and _job_exists(client, submission_id):  # Ray answers this with a bare 500
+        raise UserError(f"--submission-id {submission_id}: a job with that id already exists on the Ray cluster "
+                        f"at {url}; pick another id or leave it out")
+    submission_id = submission_id or generate_job_id()
+    deadline, retried = time.monotonic() + retry_s, False
+    while True:
+        try:
+            with _ray_errors(url):
+                return client.submit_job(submission_id=submission_id, **submission)
+        except UserError as exc:
+            if _NO_AGENT in str(exc) and time.monotonic() + pause_s <= deadline:
+                pass
+            elif retried and _job_exists(client, submission_id):
+                return submission_id  # an earlier attempt got through after all
+            else:
+                raise
+        if not retried:
+            typer.echo(f"note: the Ray head at {url} has no job agent yet (still starting?); retrying for up "
+                       f"to {retry_s:.0f} s", err=True)
+        retried = True
+        time.sleep(pause_s)
 
 
 @job_app.command("status")

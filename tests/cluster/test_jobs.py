@@ -9,6 +9,7 @@ anything is left, its process group): never `ray stop`, which would stop every R
 from __future__ import annotations
 
 import ast
+import http.server
 import json
 import os
 import secrets
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -80,34 +82,97 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
-@pytest.fixture(scope="module")
-def ray_head():
-    """(dashboard URL, auth token) of a fresh local Ray head; skipped if it cannot start here."""
-    ray_bin = Path(sys.executable).parent / "ray"
-    if not ray_bin.exists():
-        ray_bin = shutil.which("ray")
-        if ray_bin is None:
-            pytest.skip("no `ray` command next to this Python or on PATH")
-    token = secrets.token_hex(24)
-    temp_dir = tempfile.mkdtemp(prefix="rlsray", dir="/tmp")  # short: Ray's unix sockets live there
-    ports = {name: _free_port() for name in ("port", "dashboard-port", "node-manager-port", "object-manager-port",
-                                             "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                             "runtime-env-agent-port", "metrics-export-port",
-                                             "ray-client-server-port")}
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "HF_TOKEN", "WANDB_API_KEY", "RAY_AUTH_TOKEN_PATH")}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_USAGE_STATS_ENABLED="0",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
-    command = [str(ray_bin), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-               "--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=2", "--num-gpus=0",
-               "--object-store-memory=200000000", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-               *(f"--{name}={port}" for name, port in ports.items())]
-    log_path = Path(temp_dir) / "ray-start.log"
-    log = open(log_path, "w")
-    head = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{ports['dashboard-port']}"
+class LocalRayHead:
+    """A local Ray head with its dashboard, in its own session and temp dir, on ports picked here.
 
-    def teardown():
+    Ready means a trivial job ran to SUCCEEDED: the dashboard answering is not enough, its job
+    agent may still be starting (a submission then gets "No available agent"). `ray start --block`
+    takes the whole node down when one of its processes dies, so `url()` starts a fresh head if
+    the last one has gone, and a head that never gets ready is retried on new ports."""
+
+    ATTEMPTS = 3
+
+    def __init__(self, ray_bin: str, token: str):
+        self.ray_bin, self.token = ray_bin, token
+        self.process: subprocess.Popen | None = None
+        self.address = ""
+        self.temp_dir = ""
+        self.failures: list[str] = []
+
+    def url(self) -> str:
+        if self.process is not None and self.process.poll() is None:
+            return self.address
+        if self.process is not None:
+            self.failures.append(f"the head exited ({self.process.returncode}): {self._log_tail()}")
+            self.stop()
+        for _ in range(self.ATTEMPTS):
+            self._start()
+            if self._ready(deadline=time.monotonic() + 120):
+                return self.address
+            self.failures.append(self._log_tail())
+            self.stop()
+        pytest.skip("the Ray head with its dashboard did not start here: " + " | ".join(self.failures)[-3000:])
+
+    def _start(self) -> None:
+        self.temp_dir = tempfile.mkdtemp(prefix="rlsray", dir="/tmp")  # short: Ray's unix sockets live there
+        ports = {name: _free_port() for name in ("port", "dashboard-port", "node-manager-port", "object-manager-port",
+                                                 "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                 "runtime-env-agent-port", "metrics-export-port",
+                                                 "ray-client-server-port")}
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RAY_ADDRESS", "HF_TOKEN", "WANDB_API_KEY", "RAY_AUTH_TOKEN_PATH")}
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, RAY_USAGE_STATS_ENABLED="0",
+                   PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
+        command = [self.ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                   "--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=2", "--num-gpus=0",
+                   "--object-store-memory=200000000", "--disable-usage-stats", f"--temp-dir={self.temp_dir}",
+                   *(f"--{name}={port}" for name, port in ports.items())]
+        with open(Path(self.temp_dir) / "ray-start.log", "w") as log:
+            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        self.address = f"http://127.0.0.1:{ports['dashboard-port']}"
+
+    def _ready(self, deadline: float) -> bool:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                if requests.get(f"{self.address}/api/jobs/", headers=headers, timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        else:
+            return False
+        client = _client(self.address, self.token)
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                job_id = client.submit_job(entrypoint="python -c pass")
+            except (RuntimeError, ConnectionError, requests.RequestException) as exc:
+                self.failures.append(f"probe submission: {str(exc)[:200]}")
+                time.sleep(1)
+                continue
+            while time.monotonic() < deadline and self.process.poll() is None:
+                status = client.get_job_status(job_id)
+                if status.is_terminal():
+                    return str(status) == "SUCCEEDED"
+                time.sleep(0.5)
+        return False
+
+    def _log_tail(self) -> str:
+        """The last lines of `ray start` and of the dashboard and its agent, for the skip message."""
+        tails = []
+        for path in [Path(self.temp_dir) / "ray-start.log",
+                     *Path(self.temp_dir).glob("session_latest/logs/dashboard*.log")]:
+            try:
+                tails.append(f"{path.name}: " + " / ".join(path.read_text(errors="replace").splitlines()[-4:]))
+            except OSError:
+                pass
+        return "; ".join(tails)[-1500:]
+
+    def stop(self) -> None:
+        head, self.process = self.process, None
+        if head is None:
+            return
         if head.poll() is None:
             head.send_signal(signal.SIGTERM)  # `ray start --block` shuts its node down on SIGTERM
             try:
@@ -122,25 +187,25 @@ def ray_head():
         if head.poll() is None:
             head.kill()
             head.wait(10)
-        log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
-    deadline, ready = time.monotonic() + 90, False
-    while time.monotonic() < deadline and head.poll() is None:
-        try:
-            ready = requests.get(f"{url}/api/jobs/", headers={"Authorization": f"Bearer {token}"},
-                                 timeout=2).status_code == 200
-        except requests.RequestException:
-            pass
-        if ready:
-            break
-        time.sleep(0.5)
-    if not ready:
-        tail = log_path.read_text(errors="replace")[-1500:]
-        teardown()
-        pytest.skip(f"the Ray head with its dashboard did not start here: {tail}")
-    yield url, token
-    teardown()
+
+@pytest.fixture(scope="module")
+def local_ray_head():
+    ray_bin = Path(sys.executable).parent / "ray"
+    if not ray_bin.exists():
+        ray_bin = shutil.which("ray")
+        if ray_bin is None:
+            pytest.skip("no `ray` command next to this Python or on PATH")
+    head = LocalRayHead(str(ray_bin), secrets.token_hex(24))
+    yield head
+    head.stop()
+
+
+@pytest.fixture
+def ray_head(local_ray_head):
+    """(dashboard URL, auth token) of a live local Ray head, shared by this module's tests."""
+    return local_ray_head.url(), local_ray_head.token
 
 
 def rlscale_job(*args: str, token: str | None = None, cwd: Path | None = None, timeout: float = 240,
@@ -284,6 +349,9 @@ def test_secrets_unknown_jobs_and_bad_addresses_are_one_line_errors(ray_head, wo
         assert_one_line_error(rlscale_job(*command, "--address", url, token=token), "no job 'raysubmit_doesnotexist'")
     assert_one_line_error(rlscale_job("list", "--address", f"http://127.0.0.1:{_free_port()}", token=token),
                           "cannot reach")
+    taken = _client(url, token).list_jobs()[0].submission_id
+    assert_one_line_error(rlscale_job(*base, "--submission-id", taken, token=token, cwd=work_dir),
+                          f"--submission-id {taken}: a job with that id already exists")
     assert_one_line_error(rlscale_job("list", "--address", url), "requires an auth token")
     assert_one_line_error(rlscale_job("list", "--address", url, token="wrong-token"), "rejected the auth token")
 
@@ -305,3 +373,75 @@ def test_the_config_must_travel_with_the_upload(tmp_path):
         build_submission(tmp_path / "wd", tmp_path / "wd" / "conf" / "my run.yaml", [], {}, "", "")
     with pytest.raises(UserError, match="unknown config key"):
         build_submission(tmp_path / "wd", None, ["grpo.no_such_key=1"], {}, "", "")
+
+
+class _StartingDashboard(http.server.BaseHTTPRequestHandler):
+    """The two answers of a Ray dashboard whose job agent is not up yet, then up: 500 "No
+    available agent" for the first `busy` submissions, then the job. `lost_reply` plays an
+    attempt that reached the agent but whose answer was lost: it registers the job, answers 500."""
+
+    busy, lost_reply = 2, False
+    jobs: dict = {}
+    posts = 0
+
+    def _send(self, status: int, body: str) -> None:
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # noqa: N802 (http.server's naming)
+        if self.path == "/api/version":
+            self._send(200, json.dumps({"version": "0", "ray_version": "2.60.0", "ray_commit": "x",
+                                        "session_name": "s"}))
+        elif self.path.startswith("/api/jobs/") and self.path.rstrip("/").rsplit("/", 1)[-1] in self.jobs:
+            self._send(200, json.dumps(self.jobs[self.path.rstrip("/").rsplit("/", 1)[-1]]))
+        else:
+            self._send(404, "no such job")
+
+    def do_POST(self):  # noqa: N802
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        cls = type(self)
+        cls.posts += 1
+        sid = request["submission_id"]
+        if sid in cls.jobs:
+            self._send(400, f"Traceback (most recent call last):\n  ...\nValueError: Job with submission_id {sid} "
+                            "already exists. Please use a different submission_id.")
+        elif cls.posts <= cls.busy:
+            if cls.lost_reply:
+                cls.jobs[sid] = {"status": "PENDING", "entrypoint": request["entrypoint"], "submission_id": sid,
+                                 "type": "SUBMISSION"}
+            self._send(500, "No available agent to submit job, please try again later.")
+        else:
+            cls.jobs[sid] = {"status": "PENDING", "entrypoint": request["entrypoint"], "submission_id": sid,
+                             "type": "SUBMISSION"}
+            self._send(200, json.dumps({"job_id": sid, "submission_id": sid}))
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("lost_reply", [False, True])
+def test_submit_waits_for_the_job_agent_and_never_submits_twice(lost_reply, capsys):
+    from ray.job_submission import JobSubmissionClient
+
+    from rlscale.cluster.jobs import submit_when_ready
+
+    handler = type("Handler", (_StartingDashboard,), {"jobs": {}, "posts": 0, "lost_reply": lost_reply})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        client = JobSubmissionClient(url)
+        job_id = submit_when_ready(client, url, None, {"entrypoint": "echo hi"}, pause_s=0.05)
+        assert job_id.startswith("raysubmit_") and list(handler.jobs) == [job_id]
+        # busy twice, then the job (200); or, the first answer lost, "already exists" at the retry
+        assert handler.posts == (2 if lost_reply else 3) and "no job agent yet" in capsys.readouterr().err
+        # out of patience: Ray's answer as the one-line error
+        handler.busy, handler.posts, handler.lost_reply = 10**6, 0, False
+        with pytest.raises(UserError, match="No available agent"):
+            submit_when_ready(client, url, "raysubmit_late", {"entrypoint": "echo hi"}, retry_s=0.2, pause_s=0.05)
+        assert 2 <= handler.posts <= 6
+    finally:
+        server.shutdown()
