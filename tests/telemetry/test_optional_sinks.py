@@ -51,6 +51,8 @@ def _wandb_records(path):
             pos += block - pos % block
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):
+            return  # a chunk still being written
         chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind == 0:
             continue
@@ -61,18 +63,26 @@ def _wandb_records(path):
             yield record
 
 
-def _wandb_run(run_dir):
-    """(run record, [history rows]) of the one offline run written under run_dir."""
+def _wandb_run(run_dir, patience_s=60.0):
+    """(run record, [history rows]) of the one offline run written under run_dir.
+
+    W&B's service process writes the file; `finish()` can return before the last records are on
+    disk (seen on a loaded machine), so this waits for the exit record that closes a run."""
     (path,) = run_dir.glob("run-*.wandb")
-    run, rows = None, []
-    for record in _wandb_records(path):
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            run = record.run
-        elif kind == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
-    return run, rows
+    deadline = time.monotonic() + patience_s
+    while True:
+        run, rows, ended = None, [], False
+        for record in _wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                run = record.run
+            elif kind == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+            ended = ended or kind == "exit"
+        if ended or time.monotonic() > deadline:
+            return run, rows
+        time.sleep(0.2)
 
 
 def test_wandb_offline_run_holds_the_logged_values_and_resumes_the_same_run(tmp_path, wandb_offline):
@@ -128,6 +138,9 @@ def test_wandb_sink_never_writes_the_api_key(tmp_path, wandb_offline, monkeypatc
     log_dir.mkdir()
     cfg = _config(log_dir, "logger.wandb_enabled=true")
     _log(build_sinks(log_dir, tensorboard=False, wandb=True, config=cfg), STEPS[:1])
+    (run_dir,) = (log_dir / "wandb").glob("offline-run-*")
+    run, rows = _wandb_run(run_dir)  # the run fully written (so there is something to search)
+    assert run is not None and len(rows) == 1
     for path in log_dir.rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), path
