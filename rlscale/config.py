@@ -90,6 +90,9 @@ class PolicyConfig(_Section):
     logprob_chunk_tokens: int = Field(
         2048, ge=1, description="tokens per chunk of the LM head and log-softmax (full-vocabulary logits exist "
         "for one chunk at a time)")
+    fused_head_loss: bool = Field(
+        True, description="take the loss's gradient in the LM head's forward, while each chunk's logits exist "
+        "(one head matmul per chunk fewer); false = the head's backward recomputes the logits")
     attention_backend: Literal["auto", "varlen", "sdpa"] = Field(
         "auto", description="attention over packed rows: varlen (FlashAttention by sequence lengths, CUDA), "
         "sdpa (one call per sample), auto = varlen where available")

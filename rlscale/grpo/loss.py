@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -146,6 +147,67 @@ class _LinearLogprobs(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
+
+
+class _LinearLogprobsLoss(torch.autograd.Function):
+    """`linear_logprobs` and a per-token loss of the logprobs, its gradient taken in the forward;
+    see `linear_logprobs_loss`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, token_loss, chunk, with_entropy, compiled):
+        chunk_forward, chunk_grad = _kernels(compiled)
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        rows_total = hidden.shape[0]
+        logprobs = hidden.new_empty(rows_total, dtype=acc)
+        entropy = hidden.new_empty(rows_total, dtype=acc) if with_entropy else None
+        losses = hidden.new_empty(rows_total, dtype=acc)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
+        for start in range(0, rows_total, chunk):
+            part = slice(start, start + chunk)
+            rows = hidden[part]
+            logits = rows @ weight.T
+            lp, logz, ent = chunk_forward(logits, targets[part], with_entropy, acc)
+            with torch.enable_grad():  # the loss of this chunk's logprobs, and d loss / d logprobs
+                lp_leaf = lp.detach().requires_grad_()
+                loss = token_loss(lp_leaf, part)
+                (grad_lp,) = torch.autograd.grad(loss.sum(), lp_leaf)
+            logprobs[part], losses[part] = lp, loss.detach()
+            if with_entropy:
+                entropy[part] = ent
+            grad_logits = chunk_grad(logits, logz, grad_lp.to(acc), targets[part], hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[part] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight.add_(grad_logits.T @ rows)
+        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
+        ctx.mark_non_differentiable(*(t for t in (logprobs, entropy) if t is not None))
+        return logprobs, entropy, losses
+
+    @staticmethod
+    def backward(ctx, _grad_logprobs, _grad_entropy, grad_losses):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # what the forward stored is the gradient of losses.sum(): the upstream must be all ones
+        # (an async check: no host sync on CUDA)
+        torch._assert_async((grad_losses == 1).all(), "linear_logprobs_loss: backpropagate losses.sum()")
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def linear_logprobs_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+    token_loss: Callable[[torch.Tensor, slice], torch.Tensor], with_entropy: bool = False,
+    chunk: int = 2048, compiled: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`linear_logprobs` fused with a loss made of per-token terms: (logprobs, entropy, losses).
+
+    token_loss(logprobs[part], part) -> the loss terms of those tokens (a pure, elementwise
+    function of each token's logprob: GRPO's clipped surrogate and KL are). Its gradient is taken
+    chunk by chunk in the forward, while the chunk's logits exist, so the backward only hands back
+    what the forward stored: the LM head runs one matmul per chunk fewer than differentiating
+    `linear_logprobs` (which recomputes the logits in its backward). logprobs and entropy come
+    without gradient; backpropagate `losses.sum()` (a checked requirement).
+    """
+    return _LinearLogprobsLoss.apply(hidden, weight, targets, token_loss, chunk, with_entropy, compiled)
 
 
 def linear_logprobs(

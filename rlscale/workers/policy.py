@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from rlscale.config import Config, token_budget
-from rlscale.grpo.loss import grpo_token_loss, linear_logprobs
+from rlscale.grpo.loss import grpo_token_loss, linear_logprobs, linear_logprobs_loss
 from rlscale.models import PromptRenderer, load_model, load_tokenizer, pick_device, pick_dtype
 from rlscale.models.packed_attention import packed_kwargs, use_packed_attention
 from rlscale.models.prompts import decode_responses
@@ -294,27 +294,47 @@ class PolicyWorker(state_io.CheckpointableWorker):
         return stats
 
     def _accumulate(self, mb, batch, old, ref, norm, seq_norm, response_lengths, sums) -> None:
-        """Forward and backward of one packed micro-batch; gradients add up in the parameters."""
+        """Forward and backward of one packed micro-batch; gradients add up in the parameters.
+
+        old, ref: pi_old's and the reference's logprobs of the pack's tokens (old None: the
+        training forward's own, detached). With policy.fused_head_loss the LM head takes the
+        loss's gradient in its forward (rlscale.grpo.loss.linear_logprobs_loss); otherwise the
+        loss is built on the returned logprobs and the head's backward recomputes its logits.
+        """
         loss_cfg = self.cfg.loss
-        logprobs, entropy = self._logprobs(self.model, mb.to(self.device), with_entropy=True)
-        rows, cols = mb.rows, mb.cols
-        # metrics: this worker's share of the global token mean (the controller adds the shares)
-        global_tokens = norm * self.world_size
-        old = logprobs.detach() if old is None else old
-        if batch.gen_logprobs is not None:
-            # sampler vs trainer on the same tokens under pi_old: mean exp|difference|, 1.0 = identical
-            gen = to_device(batch.gen_logprobs[rows, cols], self.device)
-            sums["token_mult_prob_error"] += (gen - old).abs().exp().sum() / global_tokens
-        terms = grpo_token_loss(
-            logprobs[None], old[None], to_device(batch.advantages[rows][None], self.device),
-            None if ref is None else ref[None], loss_cfg.ratio_clip_min, loss_cfg.ratio_clip_max,
-            loss_cfg.reference_policy_kl_penalty)
+        mb = mb.to(self.device)
+        advantages = to_device(batch.advantages[mb.rows], self.device)
         if loss_cfg.token_level_loss:  # every response token of the global batch weighs 1/tokens
-            weights = torch.full_like(logprobs, 1.0 / norm)
+            weights = torch.full(advantages.shape, 1.0 / norm, device=self.device)
         else:  # mean per sequence, then over the global batch's sequences
-            weights = to_device(1.0 / (response_lengths[rows] * seq_norm), self.device)
-        (terms.loss[0] * weights).sum().backward()
+            weights = to_device(1.0 / (response_lengths[mb.rows] * seq_norm), self.device)
+
+        def terms_of(logprobs, part=slice(None)):
+            old_part = logprobs.detach() if old is None else old[part]
+            return grpo_token_loss(logprobs[None], old_part[None], advantages[part][None],
+                                   None if ref is None else ref[part][None], loss_cfg.ratio_clip_min,
+                                   loss_cfg.ratio_clip_max, loss_cfg.reference_policy_kl_penalty)
+
+        def token_loss(logprobs, part=slice(None)):
+            return terms_of(logprobs, part).loss[0] * weights[part]
+
+        policy = self.cfg.policy
+        if policy.fused_head_loss:
+            logprobs, entropy, losses = packed_logprobs(self.model, mb, True, policy.logprob_chunk_tokens,
+                                                        self.compiled, token_loss=token_loss)
+        else:
+            logprobs, entropy = packed_logprobs(self.model, mb, True, policy.logprob_chunk_tokens, self.compiled)
+            losses = token_loss(logprobs)
+        losses.sum().backward()
         with torch.no_grad():
+            # metrics: this worker's share of the global token mean (the controller adds the shares)
+            global_tokens = norm * self.world_size
+            terms = terms_of(logprobs.detach())
+            if batch.gen_logprobs is not None:
+                # sampler vs trainer on the same tokens under pi_old: mean exp|difference|, 1.0 = identical
+                gen = to_device(batch.gen_logprobs[mb.rows, mb.cols], self.device)
+                pi_old = logprobs.detach() if old is None else old
+                sums["token_mult_prob_error"] += (gen - pi_old).abs().exp().sum() / global_tokens
             for key, per_token in (("loss", terms.loss[0]), ("kl", terms.kl[0]),
                                    ("clip_fraction", terms.clipped[0]), ("entropy", entropy)):
                 sums[key] += per_token.sum() / global_tokens
@@ -364,32 +384,41 @@ def _install_logprob_head(head) -> None:
         request = getattr(head, _REQUEST, None)
         if request is None:
             return linear_forward(head, hidden)
-        targets, with_entropy, chunk, compiled = request
-        logprobs, entropy = linear_logprobs(hidden[0], head.weight, targets, with_entropy, chunk, compiled)
-        entropy = entropy if with_entropy else torch.zeros_like(logprobs)
-        return torch.stack([logprobs[None], entropy[None]], -1)  # [1, R, 2], a fresh tensor (no view)
+        targets, with_entropy, chunk, compiled, token_loss = request
+        if token_loss is None:
+            logprobs, entropy = linear_logprobs(hidden[0], head.weight, targets, with_entropy, chunk, compiled)
+            columns = [logprobs]
+        else:
+            logprobs, entropy, losses = linear_logprobs_loss(hidden[0], head.weight, targets, token_loss,
+                                                             with_entropy, chunk, compiled)
+            columns = [logprobs, losses]
+        columns.append(entropy if with_entropy else torch.zeros_like(logprobs))
+        return torch.stack([column[None] for column in columns], -1)  # [1, R, columns], a fresh tensor (no view)
 
     head.forward = forward
     setattr(head, _REQUEST, None)
 
 
 def packed_logprobs(model, mb: PackedMicroBatch, with_entropy: bool = False, chunk: int = 2048,
-                    compiled: bool = False):
+                    compiled: bool = False, token_loss=None):
     """Logprobs [R] (and entropy, reported only) of the response tokens of one packed micro-batch.
 
     `logits_to_keep` hands the head only the response positions; the head computes their
-    log-softmax `chunk` rows at a time (rlscale.grpo.loss.linear_logprobs).
+    log-softmax `chunk` rows at a time (rlscale.grpo.loss.linear_logprobs). With token_loss
+    (see rlscale.grpo.loss.linear_logprobs_loss), (logprobs, entropy, per-token losses): the
+    losses carry the gradient, taken in the head's forward.
     """
     head = model.get_output_embeddings()
     if not hasattr(head, _REQUEST):
         _install_logprob_head(head)
-    setattr(head, _REQUEST, (mb.targets, with_entropy, chunk, compiled))
+    setattr(head, _REQUEST, (mb.targets, with_entropy, chunk, compiled, token_loss))
     try:
         out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
                     logits_to_keep=mb.logit_index, **packed_kwargs(mb.cu_seqlens, mb.max_seqlen)).logits[0]
     finally:
         setattr(head, _REQUEST, None)
-    return out[:, 0], out[:, 1] if with_entropy else None
+    entropy = out[:, -1] if with_entropy else None
+    return (out[:, 0], entropy) if token_loss is None else (out[:, 0], entropy, out[:, 1])
 
 
 def _response_length(row: list[int], eos_id: int, pad_id: int) -> int:

@@ -75,3 +75,73 @@ def test_compiled_chunk_kernels_trace_whole_and_agree(monkeypatch):
         results.append((lp, ent, hidden.grad.clone(), weight.grad.clone()))
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected)
+
+
+# --- the head fused with a per-token loss (its gradient taken in the forward) --------------------
+
+def _grpo_token_loss(n, dtype):
+    """A GRPO token loss over n tokens (clipping and KL both active), as the policy builds it."""
+    from rlscale.grpo.loss import grpo_token_loss
+
+    gen = torch.Generator().manual_seed(1)
+    old = -torch.rand(n, generator=gen, dtype=dtype) * 3
+    ref = -torch.rand(n, generator=gen, dtype=dtype) * 3
+    advantages = torch.randn(n, generator=gen, dtype=dtype)
+    weights = torch.rand(n, generator=gen, dtype=dtype)
+
+    def token_loss(logprobs, part=slice(None)):
+        terms = grpo_token_loss(logprobs[None], old[part][None], advantages[part][None], ref[part][None],
+                                clip_low=0.2, clip_high=0.28, kl_beta=0.1)
+        return terms.loss[0] * weights[part]
+
+    return token_loss
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 13, 100])
+def test_fused_loss_has_the_values_and_gradients_of_the_loss_on_linear_logprobs(chunk):
+    from rlscale.grpo.loss import linear_logprobs_loss
+
+    hidden, weight, targets, _ = _inputs()
+    token_loss = _grpo_token_loss(hidden.shape[0], hidden.dtype)
+    lp, ent = linear_logprobs(hidden, weight, targets, with_entropy=True, chunk=chunk)
+    losses = token_loss(lp)
+    losses.sum().backward()
+    expected = lp.detach(), ent, losses.detach(), hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    got_lp, got_ent, got_losses = linear_logprobs_loss(hidden, weight, targets, token_loss, with_entropy=True,
+                                                       chunk=chunk)
+    assert not got_lp.requires_grad and got_losses.requires_grad
+    got_losses.sum().backward()
+    assert (expected[2] != 0).all()  # every token's term counts
+    for got, want in zip((got_lp, got_ent, got_losses, hidden.grad, weight.grad), expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_loss_in_bfloat16_matches_the_unfused_head():
+    from rlscale.grpo.loss import linear_logprobs_loss
+
+    hidden, weight, targets, _ = _inputs(dtype=torch.float32, n=40, d=16, vocab=50)
+    token_loss = _grpo_token_loss(40, torch.float32)
+    grads = []
+    for fused in (False, True):
+        h16 = hidden.detach().bfloat16().requires_grad_()
+        w16 = weight.detach().bfloat16().requires_grad_()
+        if fused:
+            _, _, losses = linear_logprobs_loss(h16, w16, targets, token_loss, chunk=8)
+        else:
+            losses = token_loss(linear_logprobs(h16, w16, targets, chunk=8)[0])
+        losses.sum().backward()
+        assert w16.grad.dtype == h16.grad.dtype == torch.bfloat16
+        grads.append((h16.grad, w16.grad))
+    for got, want in zip(*grads):  # same arithmetic, in the same order: identical
+        assert torch.equal(got, want)
+
+
+def test_fused_loss_refuses_anything_but_the_sum_of_its_losses():
+    from rlscale.grpo.loss import linear_logprobs_loss
+
+    hidden, weight, targets, upstream = _inputs()
+    _, _, losses = linear_logprobs_loss(hidden, weight, targets, _grpo_token_loss(13, torch.float64), chunk=4)
+    with pytest.raises(RuntimeError, match="backpropagate losses.sum"):
+        (losses * upstream.double()).sum().backward()

@@ -75,3 +75,30 @@ def test_the_loss_means_the_same_whatever_the_token_budget(tiny_model, token_lev
     assert small["grad_norm"] == pytest.approx(large["grad_norm"], rel=1e-5)
     for a, b in zip(small_params, large_params):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_fused_head_loss_updates_exactly_like_the_loss_on_returned_logprobs(tiny_model):
+    """policy.fused_head_loss moves the loss's gradient into the head's forward: same update."""
+    torch.set_num_threads(1)
+    prompts = [[2, 5, 6, 7], [2, 8, 9], [2, 5, 5, 5, 6], [2, 7]] * 4
+    responses = [[10, 11, 12], [13, 14, 15, 16, 17, 18], [19], [20, 21, 22, 23]] * 4
+    advantages = [1.0, -0.5, 2.0, -1.5, 0.5, -1.0, 1.5, -2.0] * 2
+    # two optimizer steps (pi_old recomputed, so the second step's ratios move off 1), KL on
+    steps = [build_train_batch(prompts[i:i + 8], responses[i:i + 8], advantages[i:i + 8], pad_id=0, max_length=32)
+             for i in (0, 8)]
+    tokens = [float(sum(map(len, responses[i:i + 8]))) for i in (0, 8)]
+    results = []
+    for fused in (False, True):
+        cfg = load_config(None, [f"policy.model_name={tiny_model}", "policy.device=cpu",
+                                 "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
+                                 "policy.train_global_batch_size=8", "loss.reference_policy_kl_penalty=0.05",
+                                 "policy.max_total_sequence_length=32", "policy.train_micro_batch_tokens=32",
+                                 "policy.logprob_chunk_tokens=5", f"policy.fused_head_loss={str(fused).lower()}"])
+        worker = PolicyWorker(cfg)
+        stats = worker.train(steps, tokens, 8, 8)
+        results.append((stats, [p.detach().clone() for p in worker.model.parameters()]))
+    (plain, plain_params), (fused, fused_params) = results
+    assert plain["kl"] > 0 and plain["loss"] != 0
+    assert fused == pytest.approx(plain, rel=1e-6, abs=1e-9)
+    for a, b in zip(fused_params, plain_params):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
