@@ -342,8 +342,8 @@ def bench_train(
     model: list[str] = typer.Option(["qwen2-0.5b"], "--model", help="qwen2-0.5b, qwen2-1.5b, qwen2-7b (random "
                                     "weights), tiny (a CPU smoke run); repeatable"),
     variant: Optional[list[str]] = typer.Option(
-        None, "--variant", help="hf_sdpa, hf_eager, rlscale, rlscale_ac, rlscale_compile (repeatable); "
-        "default: hf_sdpa, rlscale, rlscale_compile"),
+        None, "--variant", help="hf_sdpa, hf_eager, rlscale, rlscale_ac, rlscale_compile, rlscale_compile_unfused "
+        "(repeatable); default: hf_sdpa, rlscale, rlscale_compile"),
     batch: list[str] = typer.Option(["16x320", "128x320"], "--batch", help="SAMPLESxSEQ_LEN (repeatable)"),
     prompt_len: int = typer.Option(64, "--prompt-len", min=1, help="prompt tokens per sample; the rest is response"),
     ragged: bool = typer.Option(False, "--ragged", help="response lengths drawn from 1/4..1 of the room"),

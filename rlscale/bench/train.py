@@ -8,8 +8,10 @@ the same random-weight Qwen2-architecture model and the same batch, in the same 
   float32 log-softmax over all of them, default AdamW.
 - `rlscale`: PolicyWorker.train itself: packed micro-batches of `--micro-tokens` tokens,
   attention per document (varlen flash on CUDA), LM head and log-softmax in chunks over the
-  response positions only, fused AdamW. `rlscale_ac` adds activation checkpointing,
-  `rlscale_compile` torch.compile of the decoder layers (its compile time is reported apart).
+  response positions only, the loss's gradient taken in the head's forward
+  (policy.fused_head_loss), fused AdamW. `rlscale_ac` adds activation checkpointing,
+  `rlscale_compile` torch.compile of the decoder layers (its compile time is reported apart),
+  `rlscale_compile_unfused` is that with the head's backward recomputing the logits instead.
 
 Each variant is timed warm: `--warmup` updates first (the first one's time is reported as
 first_update_s, its excess over a warm update as first_update_overhead_s: compilation happens
@@ -50,7 +52,7 @@ PEAK_TFLOPS = [
     ("A100", 312.0),
     ("L40S", 362.0),
 ]
-VARIANTS = ("hf_sdpa", "hf_eager", "rlscale", "rlscale_ac", "rlscale_compile")
+VARIANTS = ("hf_sdpa", "hf_eager", "rlscale", "rlscale_ac", "rlscale_compile", "rlscale_compile_unfused")
 DEFAULT_VARIANTS = ("hf_sdpa", "rlscale", "rlscale_compile")
 
 
@@ -165,7 +167,8 @@ def run_rlscale(model_dir: Path, variant: str, batch, micro_tokens: int, device,
         f"policy.train_micro_batch_tokens={micro_tokens}", f"policy.train_global_batch_size={samples}",
         f"grpo.num_prompts_per_step={samples}", "grpo.num_generations_per_prompt=2",
         f"policy.activation_checkpointing={str(variant == 'rlscale_ac').lower()}",
-        f"policy.compile={str(variant == 'rlscale_compile').lower()}",
+        f"policy.compile={str(variant.startswith('rlscale_compile')).lower()}",
+        f"policy.fused_head_loss={str(variant != 'rlscale_compile_unfused').lower()}",
         "policy.scheduler.warmup_steps=0",
     ]
     cfg = load_config(None, overrides)
