@@ -108,7 +108,8 @@ def _auth_headers(token: str | None) -> dict | None:
 def _first_line(exc: BaseException) -> str:
     """The line that says what went wrong; for a server-side traceback that Ray passes on
     ("Request failed with status code 400: Traceback ..."), its status and final line."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    # (Ray's client appends "." to the server's text, which ends in a newline: a line of its own)
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip(" .")]
     if not lines:
         return type(exc).__name__
     if len(lines) > 1 and lines[0].endswith("Traceback (most recent call last):"):

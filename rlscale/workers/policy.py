@@ -302,12 +302,13 @@ class PolicyWorker(state_io.CheckpointableWorker):
         loss is built on the returned logprobs and the head's backward recomputes its logits.
         """
         loss_cfg = self.cfg.loss
+        rows, cols = mb.rows, mb.cols  # on the host, like the batch they index
         mb = mb.to(self.device)
-        advantages = to_device(batch.advantages[mb.rows], self.device)
+        advantages = to_device(batch.advantages[rows], self.device)
         if loss_cfg.token_level_loss:  # every response token of the global batch weighs 1/tokens
             weights = torch.full(advantages.shape, 1.0 / norm, device=self.device)
         else:  # mean per sequence, then over the global batch's sequences
-            weights = to_device(1.0 / (response_lengths[mb.rows] * seq_norm), self.device)
+            weights = to_device(1.0 / (response_lengths[rows] * seq_norm), self.device)
 
         def terms_of(logprobs, part=slice(None)):
             old_part = logprobs.detach() if old is None else old[part]
@@ -332,7 +333,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
             terms = terms_of(logprobs.detach())
             if batch.gen_logprobs is not None:
                 # sampler vs trainer on the same tokens under pi_old: mean exp|difference|, 1.0 = identical
-                gen = to_device(batch.gen_logprobs[mb.rows, mb.cols], self.device)
+                gen = to_device(batch.gen_logprobs[rows, cols], self.device)
                 pi_old = logprobs.detach() if old is None else old
                 sums["token_mult_prob_error"] += (gen - pi_old).abs().exp().sum() / global_tokens
             for key, per_token in (("loss", terms.loss[0]), ("kl", terms.kl[0]),

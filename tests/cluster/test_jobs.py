@@ -98,8 +98,11 @@ class LocalRayHead:
         self.address = ""
         self.temp_dir = ""
         self.failures: list[str] = []
+        self.skip_reason: str | None = None
 
     def url(self) -> str:
+        if self.skip_reason is not None:  # tried and failed once: the module's other tests skip at once
+            pytest.skip(self.skip_reason)
         if self.process is not None and self.process.poll() is None:
             return self.address
         if self.process is not None:
@@ -111,7 +114,8 @@ class LocalRayHead:
                 return self.address
             self.failures.append(self._log_tail())
             self.stop()
-        pytest.skip("the Ray head with its dashboard did not start here: " + " | ".join(self.failures)[-3000:])
+        self.skip_reason = "the Ray head with its dashboard did not start here: " + " | ".join(self.failures)[-3000:]
+        pytest.skip(self.skip_reason)
 
     def _start(self) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="rlsray", dir="/tmp")  # short: Ray's unix sockets live there
@@ -143,19 +147,19 @@ class LocalRayHead:
             time.sleep(0.5)
         else:
             return False
-        client = _client(self.address, self.token)
+        job_id = None
         while time.monotonic() < deadline and self.process.poll() is None:
-            try:
-                job_id = client.submit_job(entrypoint="python -c pass")
+            try:  # a dashboard that dies meanwhile is "not ready" (and the head is started again)
+                client = _client(self.address, self.token)
+                job_id = job_id or client.submit_job(entrypoint="python -c pass")
+                status = client.get_job_status(job_id)
             except (RuntimeError, ConnectionError, requests.RequestException) as exc:
-                self.failures.append(f"probe submission: {str(exc)[:200]}")
+                self.failures.append(f"probe job: {str(exc)[:200]}")
                 time.sleep(1)
                 continue
-            while time.monotonic() < deadline and self.process.poll() is None:
-                status = client.get_job_status(job_id)
-                if status.is_terminal():
-                    return str(status) == "SUCCEEDED"
-                time.sleep(0.5)
+            if status.is_terminal():
+                return str(status) == "SUCCEEDED"
+            time.sleep(0.5)
         return False
 
     def _log_tail(self) -> str:
@@ -445,3 +449,27 @@ def test_submit_waits_for_the_job_agent_and_never_submits_twice(lost_reply, caps
         assert 2 <= handler.posts <= 6
     finally:
         server.shutdown()
+        server.server_close()
+
+
+def test_ray_tracebacks_become_their_last_line():
+    """What Ray's client raises for a server-side traceback (its own formatting, which appends
+    "." to a body ending in a newline) reads as status + the exception's line."""
+    import traceback
+    from types import SimpleNamespace
+
+    from ray.dashboard.modules.dashboard_sdk import SubmissionClient
+
+    from rlscale.cluster.jobs import _first_line
+
+    try:
+        raise ValueError("Job with submission_id x already exists. Please use a different submission_id.")
+    except ValueError:
+        body = traceback.format_exc()
+    with pytest.raises(RuntimeError) as raised:
+        SubmissionClient._raise_error(None, SimpleNamespace(status_code=400, text=body))
+    assert body.endswith("\n") and str(raised.value).endswith("\n.")
+    assert _first_line(raised.value) == ("Request failed with status code 400: ValueError: Job with submission_id x "
+                                         "already exists. Please use a different submission_id.")
+    assert _first_line(RuntimeError("Request failed with status code 500: .")) == \
+        "Request failed with status code 500: ."

@@ -102,3 +102,41 @@ def test_the_fused_head_loss_updates_exactly_like_the_loss_on_returned_logprobs(
     assert fused == pytest.approx(plain, rel=1e-6, abs=1e-9)
     for a, b in zip(fused_params, plain_params):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+class _DeviceIndex(torch.Tensor):
+    """An index that, like a CUDA tensor, cannot index a host tensor (this machine has no GPU)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and not isinstance(args[0], _DeviceIndex):
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, _DeviceIndex) for i in index):
+                raise RuntimeError("indices should be either on cpu or on the same device as the indexed tensor")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_update_indexes_the_host_batch_with_host_indices(tiny_model, monkeypatch, fused):
+    """A pack moved to the GPU has its rows/cols there; the batch's advantages, lengths and sampler
+    logprobs stay on the host and must be indexed with the pack's host copy."""
+    from rlscale.workers import packing
+
+    torch.set_num_threads(1)
+    to_device = packing.PackedMicroBatch.to
+
+    def to(self, device):
+        moved = to_device(self, device)
+        moved.rows, moved.cols = moved.rows.as_subclass(_DeviceIndex), moved.cols.as_subclass(_DeviceIndex)
+        return moved
+
+    monkeypatch.setattr(packing.PackedMicroBatch, "to", to)
+    cfg = load_config(None, [f"policy.model_name={tiny_model}", "policy.device=cpu", "grpo.num_prompts_per_step=2",
+                             "grpo.num_generations_per_prompt=2", "policy.train_global_batch_size=4",
+                             "policy.max_total_sequence_length=32", "loss.token_level_loss=false",
+                             f"policy.fused_head_loss={str(fused).lower()}"])
+    batch = build_train_batch([[2, 5, 6], [2, 8], [2, 5, 5], [2, 7]], [[10, 11], [12, 13, 14], [15], [16, 17]],
+                              [1.0, -1.0, 0.5, -0.5], pad_id=0, max_length=32,
+                              gen_logprobs=[[-1.0, -2.0], [-1.0, -1.5, -2.0], [-0.5], [-1.0, -1.0]])
+    stats = PolicyWorker(cfg).train([batch], [8.0], 4, 4)
+    assert stats["token_mult_prob_error"] > 1 and stats["loss"] != 0
