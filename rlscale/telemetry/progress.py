@@ -10,13 +10,16 @@ class ProgressDisplay:
     def __init__(self, total_steps: int, start_step: int, enabled: bool = True):
         self.console = Console(stderr=True)
         self.enabled = enabled
+        terminal = self.console.is_terminal
+        # Without a terminal (a Ray job's log, CI) a live bar cannot redraw: no bar, plain lines
+        # every 5% of the run, each whole on its line (a log has no width to wrap at).
+        self.console.soft_wrap = not terminal
         self._progress = Progress(
             TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-            console=self.console, disable=not enabled, transient=False)
+            console=self.console, disable=not (enabled and terminal), transient=False)
         self._task = self._progress.add_task("train", total=total_steps, completed=start_step, stats="")
-        # Without a terminal (a Ray job's log, CI) a live bar cannot redraw: print plain lines.
-        self._plain_every = 0 if self.console.is_terminal else max(1, total_steps // 20)
+        self._plain_every = 0 if terminal else max(1, total_steps // 20)
 
     def __enter__(self) -> ProgressDisplay:
         self._progress.start()
