@@ -17,7 +17,7 @@ import torch
 
 from rlscale.ckpt import Checkpointer, SaveReport
 from rlscale.ckpt.faults import maybe_fault
-from rlscale.ckpt.resume import choose as choose_resume
+from rlscale.ckpt.resume import ResumeChoice, choose as choose_resume
 from rlscale.config import Config, derive_sizes
 from rlscale.data import PromptLoader, build_datasets
 from rlscale.errors import UserError
@@ -26,7 +26,7 @@ from rlscale.evaluate import EvalResult, evaluate, is_correct
 from rlscale.grpo import group_advantages
 from rlscale.preemption import EXIT_DEADLINE, Deadline, RunStopped, StopSignals, save_fits
 from rlscale.rewards import RewardScorer
-from rlscale.telemetry import ProgressDisplay, StepTimer, build_sinks
+from rlscale.telemetry import ProgressDisplay, StepTimer, build_sinks, print_note
 from rlscale.workers.batch import Rollouts, build_train_batch
 from rlscale.workers.group import LocalWorkerGroup, split_evenly
 from rlscale.workers.policy import PolicyWorker, SamplingParams
@@ -125,18 +125,28 @@ def validate(cfg: Config, group, problems, scorer) -> EvalResult:
                     sampling_params(cfg, temperature=cfg.grpo.val_temperature), k=1)
 
 
-def resume_or_start(cfg: Config, checkpointer: Checkpointer, group,
+def resume_or_start(choice: ResumeChoice | None, checkpointer: Checkpointer, group,
                     loader: PromptLoader) -> tuple[TrainerState, str | None, list[str]]:
-    """Restore the checkpoint `checkpointing.resume` picks (see rlscale/ckpt/resume.py); returns
-    the state, the step dir resumed from (None: a fresh start) and lines worth telling the user."""
-    if not cfg.checkpointing.enabled:
+    """Restore the checkpoint `checkpointing.resume` picked (see rlscale/ckpt/resume.py; None:
+    checkpointing is off); returns the state, the step dir resumed from (None: a fresh start) and
+    lines worth telling the user."""
+    if choice is None:
         return TrainerState(), None, []
-    choice = choose_resume(cfg.checkpoint_dir, cfg.checkpointing.resume, cfg.checkpointing.verify_checksums)
     if choice.path is None:
         return TrainerState(), None, choice.notes()
     state = TrainerState(**checkpointer.load(choice.path, group))
     loader.load_state_dict(state.loader)
     return state, str(choice.path), choice.notes()
+
+
+def finished_summary(run_dir: Path, state: TrainerState) -> dict | None:
+    """The summary of a run that already ended at the step it resumed from (its summary.json
+    written for that step), or None when work is left: more steps, or the final validation."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("final_step") == state.step else None
 
 
 def step_metrics(rollouts: Rollouts, rewards: torch.Tensor, scores, step_s: float) -> dict[str, float]:
@@ -162,6 +172,9 @@ def train(cfg: Config) -> dict:
     # the slow model load, and touch the run's files only once the model and checkpoint loaded.
     datasets = build_datasets(cfg.data, cfg.grpo.seed)
     loader = PromptLoader(datasets.train, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
+    # which checkpoint to resume from (only reads): a wrong checkpointing.resume fails here
+    choice = choose_resume(cfg.checkpoint_dir, cfg.checkpointing.resume, cfg.checkpointing.verify_checksums) \
+        if cfg.checkpointing.enabled else None
     with ExitStack() as cleanup:
         scorer = cleanup.enter_context(make_scorer(cfg))
         run_dir = prepare_run_dir(cfg)
@@ -170,8 +183,15 @@ def train(cfg: Config) -> dict:
             checkpointer.prepare()
         group = make_worker_group(cfg)
         cleanup.callback(group.shutdown)
-        state, resumed_from, notes = resume_or_start(cfg, checkpointer, group, loader)
+        state, resumed_from, notes = resume_or_start(choice, checkpointer, group, loader)
         cleanup.callback(checkpointer.close)  # runs before shutdown: in-flight saves finish first
+        finished = finished_summary(run_dir, state) if resumed_from and state.step >= cfg.grpo.max_num_steps else None
+        if finished is not None:  # nothing left to do: say so, and leave the run's files as they are
+            for note in notes + [f"the run in {cfg.logger.log_dir} finished at step {state.step} "
+                                 f"(grpo.max_num_steps={cfg.grpo.max_num_steps}); raise grpo.max_num_steps to "
+                                 "train on, or set logger.log_dir for a new run"]:
+                print_note(note)
+            return finished
         write_atomic(run_dir / "config.yaml", cfg.to_yaml())
         sinks = build_sinks(run_dir, cfg.logger.tensorboard_enabled, cfg.logger.wandb_enabled,
                             resumed_step=state.step if resumed_from else None,
@@ -210,6 +230,7 @@ class Run:
         self.started = time.perf_counter()
         self.pad_id = group.run_rank0("ready")["pad_token_id"]
         self.last_saved: int | None = None  # the newest step saved (committed or in flight)
+        self.val_step: int | None = None  # the step state.last_val was measured at, in this invocation
         self.step_estimate_s: float | None = None  # the longest step of this invocation
         self.save_estimate_s: float | None = None  # the longest save, snapshot start to commit
 
@@ -226,6 +247,7 @@ class Run:
                        + (f"  |  resumed from {resumed_from}" if resumed_from else ""))
         if state.eval_before is None and cfg.grpo.val_at_start:
             state.eval_before = state.last_val = self.validate()
+            self.val_step = state.step
             progress.print(f"held-out accuracy before training: {state.eval_before['val/accuracy']:.3f}")
             self.sinks.log(state.step, state.eval_before)
 
@@ -253,11 +275,12 @@ class Run:
             if cfg.grpo.val_period and step % cfg.grpo.val_period == 0:
                 with timer.section("validate"):
                     state.last_val = self.validate()
+                    self.val_step = step
                 metrics.update(state.last_val)
             if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0
                                               or step == cfg.grpo.max_num_steps):
                 with timer.section("checkpoint"):
-                    metrics.update(self.save({**state.last_val, **metrics}))
+                    metrics.update(self.save(metrics))
             for committed in self.checkpointer.poll():  # saves whose background persist has finished
                 metrics.update(self.committed(committed))
             metrics.update(timer.pop())
@@ -272,12 +295,13 @@ class Run:
             self.stop()
         eval_after, final = None, {}
         if cfg.grpo.val_at_end:
-            eval_after = self.validate()
+            eval_after = state.last_val = self.validate()
+            self.val_step = state.step
             progress.print(f"held-out accuracy after training: {eval_after['val/accuracy']:.3f}")
             final.update({f"final/{k}": v for k, v in eval_after.items()})
         if cfg.checkpointing.enabled:
             if self.last_saved != state.step:
-                final.update(self.save(state.last_val))
+                final.update(self.save(self.validation_of_this_step()))
             for committed in self.checkpointer.wait():  # the last save's persist numbers, too
                 final.update(self.committed(committed))
         if final:
@@ -286,6 +310,11 @@ class Run:
 
     def validate(self) -> dict[str, float]:
         return validate(self.cfg, self.group, self.val_problems, self.scorer).metrics("val")
+
+    def validation_of_this_step(self) -> dict[str, float]:
+        """The held-out metrics if they were measured at the current step, else none: a
+        checkpoint's manifest (what checkpointing.metric_name ranks) never carries older ones."""
+        return self.state.last_val if self.val_step == self.state.step else {}
 
     def save(self, metrics: dict[str, float]) -> dict[str, float]:
         self.state.wall_s = self.wall_before + time.perf_counter() - self.started
@@ -324,7 +353,7 @@ class Run:
                 skipped = (f"; step {state.step} not saved: a save takes about {self.save_estimate_s:.1f}s and "
                            f"{max(ckpt.preemption_grace_s - since, 0):.1f}s of checkpointing.preemption_grace_s are left")
             else:
-                final.update(self.save(state.last_val))
+                final.update(self.save(self.validation_of_this_step()))
         if ckpt.enabled:
             for committed in self.checkpointer.wait():
                 final.update(self.committed(committed))

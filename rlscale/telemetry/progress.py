@@ -6,6 +6,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
+def print_note(message: str) -> None:
+    """One line for the person running this, on stderr (stdout carries the run's summary)."""
+    Console(stderr=True, soft_wrap=True).print(message, highlight=False)
+
+
 class ProgressDisplay:
     def __init__(self, total_steps: int, start_step: int, enabled: bool = True):
         self.console = Console(stderr=True)

@@ -138,12 +138,21 @@ def _reward_not_callable(tmp, model):
             ["rewards.function", "NOT_CALLABLE", "not callable"], None)
 
 
+def _resume_not_a_step_dir(tmp, model):
+    return ["checkpointing.resume=maybe"], ["'checkpointing.resume'", "auto, never or the path of a step_N", "'maybe'"], \
+        None
+
+
+def _resume_step_missing(tmp, model):  # refused before the run directory is made or the model loaded
+    return [f"checkpointing.resume={tmp / 'elsewhere' / 'step_7'}"], ["checkpointing.resume", "does not exist"], None
+
+
 CASES = {fn.__name__.lstrip("_"): fn for fn in [
     _unknown_key, _unknown_key_in_file, _wrong_type, _wrong_type_in_file, _out_of_range, _batch_not_dividing,
     _malformed_override, _malformed_yaml, _yaml_not_a_mapping, _missing_config_file, _unknown_dataset,
     _jsonl_missing_field, _jsonl_missing_file, _model_path_missing, _model_dir_without_config,
     _model_weights_corrupt, _checkpoint_dir_under_a_file, _log_dir_under_a_file, _reward_spec_malformed,
-    _reward_module_missing, _reward_not_callable,
+    _reward_module_missing, _reward_not_callable, _resume_not_a_step_dir, _resume_step_missing,
 ]}
 
 

@@ -187,6 +187,22 @@ def test_restart_advances_the_loader_and_keeps_the_newest_two(second):
     assert state["loader"]["position"] == state["loader"]["consumed"] == 20
 
 
+def test_running_a_finished_run_again_says_so_and_changes_nothing(second, tmp_path, tiny_model):
+    import shutil
+
+    from tests.integration.helpers import run_cli, train_args
+
+    run = tmp_path / "run"
+    shutil.copytree(second["run"], run)
+    before = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "summary.json")}
+    again = run_cli(*train_args(tiny_model, run, 5), cwd=tmp_path)
+    assert again.returncode == 0 and "Traceback" not in again.output, again.output[-3000:]
+    assert f"the run in {run} finished at step 5" in again.stderr and "raise grpo.max_num_steps" in again.stderr
+    assert json.loads(again.stdout) == json.loads(before["summary.json"])  # its summary, as it was
+    assert {name: (run / name).read_bytes() for name in before} == before  # no second final row
+    assert step_dirs(run / "checkpoints") == ["step_4", "step_5"]
+
+
 def test_resumed_run_matches_a_straight_run(second, straight_run):
     """Restarting from step 3 changes nothing: same rewards, losses and final weights as one run."""
     import torch
@@ -203,6 +219,12 @@ def test_resumed_run_matches_a_straight_run(second, straight_run):
     assert [row["step"] for row in straight if "val/accuracy" in row] == [2, 4]
     assert list((Path(straight_run["run"]) / "tensorboard").glob("events.out.tfevents.*"))
     assert step_dirs(Path(straight_run["run"]) / "checkpoints") == ["step_4", "step_5"]
+    # a checkpoint records the held-out metrics of its own step only (what metric_name ranks):
+    # step 4 was validated, step 5 (saved before the final validation) was not
+    manifests = {step: json.loads((Path(straight_run["run"]) / "checkpoints" / f"step_{step}" / "manifest.json")
+                                  .read_text())["metrics"] for step in (4, 5)}
+    assert manifests[4]["val/accuracy"] == next(r["val/accuracy"] for r in straight if r["step"] == 4)
+    assert "val/accuracy" not in manifests[5] and manifests[5]["train/loss"] == straight[-1]["train/loss"]
     final = "checkpoints/step_5"
     a_weights = policy_weights(Path(straight_run["run"]) / final)
     b_weights = policy_weights(Path(second["run"]) / final)
