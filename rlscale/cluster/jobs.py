@@ -251,8 +251,11 @@ def _excluded_by(working_dir: Path, rel: str, excludes: list[str]) -> str | None
 
 def build_submission(working_dir: Path, config: Path | None, overrides: list[str], env: dict[str, str],
                      hf_home: str, socket_ifname: str, launcher: str = "rlscale",
-                     excludes: list[str] | None = None, token: str | None = None) -> dict:
-    """The entrypoint, runtime env and metadata of `rlscale job submit` (checked for secrets)."""
+                     excludes: list[str] | None = None, token: str | None = None,
+                     pip: list[str] | None = None) -> dict:
+    """The entrypoint, runtime env and metadata of `rlscale job submit` (checked for secrets).
+    pip: packages Ray installs for the job (e.g. an rlscale wheel on the shared volume, when the
+    image lacks it)."""
     from rlscale.config import load_config
 
     working_dir = Path(working_dir)
@@ -304,6 +307,8 @@ def build_submission(working_dir: Path, config: Path | None, overrides: list[str
         "runtime_env": {"working_dir": str(working_dir), "excludes": all_excludes, "env_vars": env_vars},
         "metadata": {"submitted_by": "rlscale job submit", "config": rel or ""},
     }
+    if pip:
+        submission["runtime_env"]["pip"] = list(pip)
     # Last line of defence: no secret value set here appears anywhere in the request.
     flat = json.dumps(submission)
     if any(value in flat for value in _local_secret_values(extra)):
@@ -404,6 +409,9 @@ def submit_cmd(
     exclude: Optional[list[str]] = typer.Option(None, "--exclude",
                                                 help="more upload excludes, gitignore syntax (repeatable)"),
     launcher: str = typer.Option("rlscale", "--launcher", help="command before `train`, e.g. 'python -m rlscale.cli'"),
+    pip: Optional[list[str]] = typer.Option(
+        None, "--pip", help="a package Ray installs for the job (repeatable), e.g. an rlscale wheel on the shared "
+        "volume when the image lacks rlscale"),
     submission_id: Optional[str] = typer.Option(None, "--submission-id", help="default: Ray picks one"),
     no_wait: bool = typer.Option(False, "--no-wait", help="return after submitting"),
     follow: bool = typer.Option(False, "--follow", help="stream the logs until the job ends (the default)"),
@@ -414,7 +422,7 @@ def submit_cmd(
     token = _token(token)
     extra = (token,) if token else ()
     submission = build_submission(working_dir, config, list(overrides or []), _parse_env(env or []),
-                                  hf_home, socket_ifname, launcher, exclude, token)
+                                  hf_home, socket_ifname, launcher, exclude, token, pip)
     present = [name for name in SECRET_ENV_VARS if os.environ.get(name)]
     typer.echo("secrets: HF_TOKEN and WANDB_API_KEY are not sent with the job; on the cluster they come from the "
                "Kubernetes Secret (rlscale-secrets unless renamed in `rlscale cluster render`) mounted as "

@@ -22,7 +22,8 @@ from rlscale.errors import UserError, validation_message
 __all__ = ["ClusterSpec", "cluster_spec_from_dict", "load_cluster_spec", "parse_quantity"]
 
 # The image the seed runs. It holds NeMo-RL, not rlscale: install rlscale through `job.pip` (runtime
-# env) or, better, build an image `FROM` it with `pip install rlscale` and set `image:` to that.
+# env; e.g. a wheel on the shared volume) or, better, build an image `FROM` it that pip-installs
+# rlscale and set `image:` to that.
 SEED_IMAGE = "nvcr.io/nvidia/nemo-rl:v0.4.0"
 SECRET_KEYS = ("HF_TOKEN", "WANDB_API_KEY")
 MAX_RAYCLUSTER_NAME = 53  # KubeRay: 63 minus the longest service suffix ("-serve-svc")

@@ -473,3 +473,14 @@ def test_ray_tracebacks_become_their_last_line():
                                          "already exists. Please use a different submission_id.")
     assert _first_line(RuntimeError("Request failed with status code 500: .")) == \
         "Request failed with status code 500: ."
+
+
+def test_pip_packages_travel_in_the_runtime_env_and_never_a_secret(tmp_path, monkeypatch):
+    (tmp_path / "wd").mkdir()
+    wheel = "/lustre/wheels/rlscale-0.1.0-py3-none-any.whl"
+    submission = build_submission(tmp_path / "wd", None, [], {}, "", "", pip=[wheel, "math-verify>=0.7"])
+    assert submission["runtime_env"]["pip"] == [wheel, "math-verify>=0.7"]
+    assert "pip" not in build_submission(tmp_path / "wd", None, [], {}, "", "")["runtime_env"]
+    monkeypatch.setenv("HF_TOKEN", HF_SENTINEL)
+    with pytest.raises(UserError, match="refusing the submission"):
+        build_submission(tmp_path / "wd", None, [], {}, "", "", pip=[f"git+https://{HF_SENTINEL}@example.com/x.git"])
