@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlsplit
 
 import typer
 
@@ -133,8 +134,9 @@ def _ray_errors(address: str, job_id: str | None = None):
                             "--token); `ray get-auth-token` prints a local cluster's token") from None
         raise UserError(f"the Ray cluster at {address} rejected the auth token ({TOKEN_ENV} / --token)") from None
     except (ConnectionError, requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+        port = urlsplit(address).port or 8265
         raise UserError(f"cannot reach the Ray dashboard at {address} ({_first_line(exc).rstrip('.')}); is the cluster "
-                        "up and its port 8265 forwarded?") from None
+                        f"up and its port {port} forwarded?") from None
     except requests.exceptions.RequestException as exc:
         raise UserError(f"request to {address} failed: {_first_line(exc)}") from None
     except (RuntimeError, ValueError, RayError) as exc:

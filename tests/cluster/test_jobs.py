@@ -351,8 +351,9 @@ def test_secrets_unknown_jobs_and_bad_addresses_are_one_line_errors(ray_head, wo
     for command in (["status", "raysubmit_doesnotexist"], ["logs", "raysubmit_doesnotexist", "--follow"],
                     ["stop", "raysubmit_doesnotexist"]):
         assert_one_line_error(rlscale_job(*command, "--address", url, token=token), "no job 'raysubmit_doesnotexist'")
-    assert_one_line_error(rlscale_job("list", "--address", f"http://127.0.0.1:{_free_port()}", token=token),
-                          "cannot reach")
+    port = _free_port()
+    assert_one_line_error(rlscale_job("list", "--address", f"http://127.0.0.1:{port}", token=token),
+                          "cannot reach", f"its port {port} forwarded")
     taken = _client(url, token).list_jobs()[0].submission_id
     assert_one_line_error(rlscale_job(*base, "--submission-id", taken, token=token, cwd=work_dir),
                           f"--submission-id {taken}: a job with that id already exists")
