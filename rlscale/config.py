@@ -222,9 +222,10 @@ class CheckpointingConfig(_Section):
             return "auto" if value else "never"
         if isinstance(value, str) and value.strip().lower() in ("true", "false"):
             return "auto" if value.strip().lower() == "true" else "never"
-        if not isinstance(value, str) or not re.fullmatch(r"auto|never|(.*/)?step_\d+/?", value.strip()):
-            raise ValueError(f"expected auto, never or the path of a step_N directory (got {value!r})")
-        return value.strip()
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError("expected auto, never or the path of a step_N directory")
+        value = value.strip()
+        return value.lower() if value.lower() in ("auto", "never") else value
 
     @field_validator("checkpoint_must_save_by", mode="before")
     @classmethod

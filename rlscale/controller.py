@@ -149,20 +149,21 @@ def finished_summary(run_dir: Path, state: TrainerState) -> dict | None:
     return summary if isinstance(summary, dict) and summary.get("final_step") == state.step else None
 
 
-def step_metrics(rollouts: Rollouts, rewards: torch.Tensor, scores, step_s: float) -> dict[str, float]:
-    """What one step's samples say: rewards, accuracy, lengths, throughput."""
-    response_tokens = sum(len(r) for r in rollouts.response_ids)
-    all_tokens = response_tokens + sum(len(p) for p in rollouts.prompt_ids)
+def sample_metrics(rollouts: Rollouts, rewards: torch.Tensor, scores) -> dict[str, float]:
+    """What one step's samples say: rewards, accuracy, lengths."""
     return {
         "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
         "accuracy": sum(map(is_correct, scores.rewards)) / len(scores.rewards),
         "reward/timeouts": scores.num_timeouts, "reward/errors": scores.num_errors,
         "grpo/zero_std_groups": float((rewards.std(dim=1) == 0).float().mean()),
-        "response/length_mean": response_tokens / len(rollouts.response_ids),
+        "response/length_mean": sum(len(r) for r in rollouts.response_ids) / len(rollouts.response_ids),
         "response/truncated_fraction": sum(rollouts.truncated) / len(rollouts.truncated),
-        "time/step_s": step_s,
-        "throughput/tokens_per_s": all_tokens / step_s,
     }
+
+
+def throughput_metrics(rollouts: Rollouts, step_s: float) -> dict[str, float]:
+    all_tokens = sum(len(r) for r in rollouts.response_ids) + sum(len(p) for p in rollouts.prompt_ids)
+    return {"time/step_s": step_s, "throughput/tokens_per_s": all_tokens / step_s}
 
 
 def train(cfg: Config) -> dict:
@@ -192,6 +193,9 @@ def train(cfg: Config) -> dict:
                                  "train on, or set logger.log_dir for a new run"]:
                 print_note(note)
             return finished
+        # work is left: an older summary here (a shorter run, or the steps this one takes again)
+        # must not pass for this run's if it stops before writing its own
+        (run_dir / "summary.json").unlink(missing_ok=True)
         write_atomic(run_dir / "config.yaml", cfg.to_yaml())
         sinks = build_sinks(run_dir, cfg.logger.tensorboard_enabled, cfg.logger.wandb_enabled,
                             resumed_step=state.step if resumed_from else None,
@@ -270,6 +274,7 @@ class Run:
             advantages = group_advantages(rewards, cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards)
             with timer.section("train"):
                 metrics = train_on_rollouts(cfg, group, rollouts, advantages.flatten().tolist(), step, self.pad_id)
+            metrics.update(sample_metrics(rollouts, rewards, scores))  # before the save: metric_name may rank by them
             state.step = step
             state.loader = self.loader.state_dict()
             if cfg.grpo.val_period and step % cfg.grpo.val_period == 0:
@@ -284,7 +289,7 @@ class Run:
             for committed in self.checkpointer.poll():  # saves whose background persist has finished
                 metrics.update(self.committed(committed))
             metrics.update(timer.pop())
-            metrics.update(step_metrics(rollouts, rewards, scores, time.perf_counter() - step_started))
+            metrics.update(throughput_metrics(rollouts, time.perf_counter() - step_started))
             metrics["data/epoch"] = self.loader.epoch
             self.sinks.log(step, metrics)
             progress.update(step, metrics)

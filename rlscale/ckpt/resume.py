@@ -56,9 +56,10 @@ def choose(root: Path, mode: str, checksums: bool = False) -> ResumeChoice:
             raise UserError(f"no intact checkpoint in {str(root)!r}: {skipped[0][0]} is damaged ({skipped[0][1]}); "
                             "move the directory away to start fresh, or set checkpointing.resume to a good step_N")
         return ResumeChoice(None)
-    path = Path(mode)
+    path = Path(mode).expanduser()
     if not path.exists():
-        raise UserError(f"checkpointing.resume: {mode!r} does not exist")
+        raise UserError(f"checkpointing.resume: {mode!r} does not exist (expected auto, never or the path of a "
+                        "checkpoint's step_N directory)")
     verdict = layout.verify_step_dir(path, checksums=checksums)
     if not verdict.ok:
         raise UserError(f"checkpointing.resume: {mode!r} is not an intact checkpoint: {verdict.reason}")

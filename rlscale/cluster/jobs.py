@@ -134,7 +134,8 @@ def _ray_errors(address: str, job_id: str | None = None):
                             "--token); `ray get-auth-token` prints a local cluster's token") from None
         raise UserError(f"the Ray cluster at {address} rejected the auth token ({TOKEN_ENV} / --token)") from None
     except (ConnectionError, requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
-        port = urlsplit(address).port or 8265
+        parts = urlsplit(address)
+        port = parts.port or (443 if parts.scheme == "https" else 80)  # what the client dialled
         raise UserError(f"cannot reach the Ray dashboard at {address} ({_first_line(exc).rstrip('.')}); is the cluster "
                         f"up and its port {port} forwarded?") from None
     except requests.exceptions.RequestException as exc:
@@ -309,6 +310,12 @@ def build_submission(working_dir: Path, config: Path | None, overrides: list[str
         "runtime_env": {"working_dir": str(working_dir), "excludes": all_excludes, "env_vars": env_vars},
         "metadata": {"submitted_by": "rlscale job submit", "config": rel or ""},
     }
+    for number, entry in enumerate(pip or [], start=1):  # a URL can carry credentials (https://user:token@...)
+        reason = _secret_reason("--pip", entry, extra)
+        if reason is None and "://" in entry and urlsplit(entry.split("+", 1)[-1]).password:
+            reason = "its URL carries a password"
+        if reason:  # the entry itself is not repeated: it holds the secret
+            raise _refuse_secret(f"refusing --pip entry {number}", reason)
     if pip:
         submission["runtime_env"]["pip"] = list(pip)
     # Last line of defence: no secret value set here appears anywhere in the request.

@@ -45,8 +45,8 @@ class ProgressDisplay:
             parts.append(f"ckpt {metrics['ckpt/persist_s']:.1f}s {metrics['ckpt/GBps']:.2f}GB/s "
                          f"free {metrics['ckpt/free_GB']:.0f}GB")
         self._progress.update(self._task, completed=step, stats="  ".join(parts))
-        if self.enabled and self._plain_every and step % self._plain_every == 0:
-            task = self._progress.tasks[0]
+        task = self._progress.tasks[0]
+        if self.enabled and self._plain_every and (step % self._plain_every == 0 or step >= task.total):
             eta = f"  ETA {task.time_remaining:.0f}s" if task.time_remaining is not None else ""
             self.console.print(f"step {step}/{task.total}  " + "  ".join(parts) + eta, highlight=False)
 

@@ -483,5 +483,9 @@ def test_pip_packages_travel_in_the_runtime_env_and_never_a_secret(tmp_path, mon
     assert submission["runtime_env"]["pip"] == [wheel, "math-verify>=0.7"]
     assert "pip" not in build_submission(tmp_path / "wd", None, [], {}, "", "")["runtime_env"]
     monkeypatch.setenv("HF_TOKEN", HF_SENTINEL)
-    with pytest.raises(UserError, match="refusing the submission"):
-        build_submission(tmp_path / "wd", None, [], {}, "", "", pip=[f"git+https://{HF_SENTINEL}@example.com/x.git"])
+    for entry, reason in ((f"git+https://{HF_SENTINEL}@example.com/x.git", "this environment's HF_TOKEN"),
+                          ("git+https://user:hf_" + "a1B2" * 6 + "@huggingface.co/o/p.git", "Hugging Face token"),
+                          ("https://ci:s3cret-pass@pypi.example.com/simple/pkg.whl", "its URL carries a password")):
+        with pytest.raises(UserError, match=f"refusing --pip entry 2: .*{reason}") as refused:
+            build_submission(tmp_path / "wd", None, [], {}, "", "", pip=[wheel, entry])
+        assert "s3cret" not in str(refused.value) and HF_SENTINEL not in str(refused.value)

@@ -139,7 +139,7 @@ def _reward_not_callable(tmp, model):
 
 
 def _resume_not_a_step_dir(tmp, model):
-    return ["checkpointing.resume=maybe"], ["'checkpointing.resume'", "auto, never or the path of a step_N", "'maybe'"], \
+    return ["checkpointing.resume=maybe"], ["checkpointing.resume: 'maybe' does not exist", "expected auto, never"], \
         None
 
 

@@ -101,4 +101,26 @@ def test_a_bad_deadline_or_resume_path_is_one_line(tiny_model, tmp_path):
     missing = tmp_path / "elsewhere" / "step_7"
     bad = run_cli(*train_args(tiny_model, tmp_path / "run", 1, f"checkpointing.resume={missing}"), cwd=tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.output
-    assert bad.stderr.strip().splitlines() == [f"rlscale: error: checkpointing.resume: '{missing}' does not exist"]
+    assert bad.stderr.strip().splitlines() == [f"rlscale: error: checkpointing.resume: '{missing}' does not exist "
+                                               "(expected auto, never or the path of a checkpoint's step_N directory)"]
+
+
+def test_a_run_stopped_at_its_last_step_is_not_taken_for_an_earlier_finished_run(tiny_model, tmp_path, monkeypatch):
+    """An older summary.json in the same log_dir with the same final step is not this run's: a new
+    run stopped during its last step still owes its final validation when restarted."""
+    run = tmp_path / "run"
+    first = run_cli(*train_args(tiny_model, run, 2, f"checkpointing.checkpoint_dir={tmp_path / 'ckpt_a'}"),
+                    cwd=tmp_path)
+    assert first.returncode == 0, first.output
+    assert json.loads((run / "summary.json").read_text())["final_step"] == 2
+    again = train_args(tiny_model, run, 2, f"checkpointing.checkpoint_dir={tmp_path / 'ckpt_b'}")
+    monkeypatch.setenv("RLSCALE_FAULT", "loop.after_step:2:SIGTERM")
+    stopped = run_cli(*again, cwd=tmp_path)
+    monkeypatch.delenv("RLSCALE_FAULT")
+    assert stopped.returncode == 143 and "ckpt_b/step_2 is the newest checkpoint" in _stop_line(stopped)
+    assert not (run / "summary.json").exists()  # the first run's, gone when this one started work
+    finished = run_cli(*again, cwd=tmp_path)
+    assert finished.returncode == 0 and "finished at step" not in finished.stderr, finished.output
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["checkpoint_dir"] == str(tmp_path / "ckpt_b") and summary["steps_run"] == 0
+    assert summary["eval"]["after"] is not None  # the final validation ran

@@ -23,3 +23,11 @@ def test_disabled_prints_notes_only(capsys):
         progress.print("a note")
         progress.update(10, {"reward/mean": 1.0})
     assert capsys.readouterr().err.splitlines() == ["a note"]
+
+
+def test_without_a_terminal_the_last_step_is_printed_even_off_the_grid(capsys):
+    for total, start, expected in ((45, 0, "step 45/45"), (45, 43, "step 45/45"), (1010, 1000, "step 1010/1010")):
+        with ProgressDisplay(total, start) as progress:
+            for step in range(start + 1, total + 1):
+                progress.update(step, {"reward/mean": 0.5})
+        assert capsys.readouterr().err.splitlines()[-1].startswith(expected + "  ")
