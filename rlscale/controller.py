@@ -17,6 +17,7 @@ import torch
 
 from rlscale.ckpt import Checkpointer, SaveReport
 from rlscale.ckpt.faults import maybe_fault
+from rlscale.ckpt.layout import read_manifest
 from rlscale.ckpt.resume import ResumeChoice, choose as choose_resume
 from rlscale.config import Config, derive_sizes
 from rlscale.data import PromptLoader, build_datasets
@@ -139,14 +140,20 @@ def resume_or_start(choice: ResumeChoice | None, checkpointer: Checkpointer, gro
     return state, str(choice.path), choice.notes()
 
 
-def finished_summary(run_dir: Path, state: TrainerState) -> dict | None:
-    """The summary of a run that already ended at the step it resumed from (its summary.json
-    written for that step), or None when work is left: more steps, or the final validation."""
+def finished_summary(cfg: Config, choice: ResumeChoice | None) -> dict | None:
+    """The summary of a run that already ended at the checkpoint it would resume from: that step
+    reaches grpo.max_num_steps and the run's summary.json was written for it. None when work is
+    left (more steps, or the final validation). Decided from files alone, before any model loads."""
+    if choice is None or choice.path is None:
+        return None
+    step = (read_manifest(choice.path) or {}).get("step")
+    if step is None or step < cfg.grpo.max_num_steps:
+        return None
     try:
-        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+        summary = json.loads((Path(cfg.logger.log_dir) / "summary.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return summary if isinstance(summary, dict) and summary.get("final_step") == state.step else None
+    return summary if isinstance(summary, dict) and summary.get("final_step") == step else None
 
 
 def sample_metrics(rollouts: Rollouts, rewards: torch.Tensor, scores) -> dict[str, float]:
@@ -169,13 +176,20 @@ def throughput_metrics(rollouts: Rollouts, step_s: float) -> dict[str, float]:
 def train(cfg: Config) -> dict:
     """Run (or resume) a GRPO training run; returns the summary written to summary.json."""
     started = time.perf_counter()
+    # which checkpoint to resume from (only reads): a wrong checkpointing.resume fails here
+    choice = choose_resume(cfg.checkpoint_dir, cfg.checkpointing.resume, cfg.checkpointing.verify_checksums) \
+        if cfg.checkpointing.enabled else None
+    finished = finished_summary(cfg, choice)
+    if finished is not None:  # nothing left to do: say so, load nothing, leave the run's files as they are
+        for note in choice.notes() + [f"the run in {cfg.logger.log_dir} finished at step {finished['final_step']} "
+                                      f"(grpo.max_num_steps={cfg.grpo.max_num_steps}); raise grpo.max_num_steps "
+                                      "to train on, or set logger.log_dir for a new run"]:
+            print_note(note)
+        return finished
     # Check the inputs (data, reward function) before writing anything, the directories before
     # the slow model load, and touch the run's files only once the model and checkpoint loaded.
     datasets = build_datasets(cfg.data, cfg.grpo.seed)
     loader = PromptLoader(datasets.train, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
-    # which checkpoint to resume from (only reads): a wrong checkpointing.resume fails here
-    choice = choose_resume(cfg.checkpoint_dir, cfg.checkpointing.resume, cfg.checkpointing.verify_checksums) \
-        if cfg.checkpointing.enabled else None
     with ExitStack() as cleanup:
         scorer = cleanup.enter_context(make_scorer(cfg))
         run_dir = prepare_run_dir(cfg)
@@ -186,13 +200,6 @@ def train(cfg: Config) -> dict:
         cleanup.callback(group.shutdown)
         state, resumed_from, notes = resume_or_start(choice, checkpointer, group, loader)
         cleanup.callback(checkpointer.close)  # runs before shutdown: in-flight saves finish first
-        finished = finished_summary(run_dir, state) if resumed_from and state.step >= cfg.grpo.max_num_steps else None
-        if finished is not None:  # nothing left to do: say so, and leave the run's files as they are
-            for note in notes + [f"the run in {cfg.logger.log_dir} finished at step {state.step} "
-                                 f"(grpo.max_num_steps={cfg.grpo.max_num_steps}); raise grpo.max_num_steps to "
-                                 "train on, or set logger.log_dir for a new run"]:
-                print_note(note)
-            return finished
         # work is left: an older summary here (a shorter run, or the steps this one takes again)
         # must not pass for this run's if it stops before writing its own
         (run_dir / "summary.json").unlink(missing_ok=True)
