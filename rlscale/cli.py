@@ -42,9 +42,12 @@ def train(
 
     75: stopped for checkpointing.checkpoint_must_save_by, after a save. Run the same command to resume.
     """
-    from rlscale.config import load_config
+    from rlscale.config import config_notes, load_config
+    from rlscale.telemetry import print_note
 
     cfg = load_config(config, overrides or [])
+    for note in config_notes(cfg):
+        print_note(note)
     if dry_run:
         from rlscale.data.presets import find_preset
 

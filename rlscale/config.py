@@ -337,6 +337,22 @@ class DerivedSizes:
         return dict(self.__dict__)
 
 
+def config_notes(cfg: Config) -> list[str]:
+    """Settings that are valid but probably not what was meant, as lines for the user."""
+    ckpt, grpo = cfg.checkpointing, cfg.grpo
+    notes = []
+    if ckpt.enabled and ckpt.metric_name and ckpt.metric_name.startswith("val/") \
+            and (grpo.val_period == 0 or ckpt.save_period % grpo.val_period):
+        why = ("grpo.val_period=0 validates no saved step, so all rank alike (the newest kept)"
+               if grpo.val_period == 0 else
+               f"only saves at multiples of both checkpointing.save_period={ckpt.save_period} and "
+               f"grpo.val_period={grpo.val_period} are validated; the others rank last (make save_period a "
+               "multiple of val_period)")
+        notes.append(f"note: checkpointing.metric_name={ckpt.metric_name} ranks checkpoints by a held-out metric, "
+                     f"but {why}")
+    return notes
+
+
 def derive_sizes(cfg: Config) -> DerivedSizes:
     """Batch arithmetic, computed once; raises ValueError naming the key at fault."""
     world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node

@@ -263,3 +263,16 @@ def test_pydantic_messages_keep_their_case_after_the_first_letter():
         Pick(level="info")
     assert validation_message(caught.value, "config") == \
         "config key 'level': input should be 'INFO' or 'DEBUG' (got 'info')"
+
+
+def test_a_held_out_ranking_metric_without_validated_saves_gets_a_note():
+    from rlscale.config import config_notes
+
+    assert config_notes(load_config(None, [])) == []
+    assert config_notes(load_config(None, ["checkpointing.metric_name=val/accuracy", "checkpointing.save_period=50",
+                                           "grpo.val_period=25"])) == []
+    (note,) = config_notes(load_config(None, ["checkpointing.metric_name=val/accuracy"]))  # 20 vs 50
+    assert "save_period=20 and grpo.val_period=50 are validated" in note
+    (note,) = config_notes(load_config(None, ["checkpointing.metric_name=val/accuracy", "grpo.val_period=0"]))
+    assert "validates no saved step" in note
+    assert config_notes(load_config(None, ["checkpointing.metric_name=reward/mean"])) == []  # every save has it
