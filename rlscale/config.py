@@ -337,11 +337,24 @@ class DerivedSizes:
         return dict(self.__dict__)
 
 
+# The metrics a checkpoint's manifest records, i.e. what checkpointing.metric_name can rank by
+# (val/* only at validated steps); a test keeps this list equal to what a run writes.
+RANKABLE_METRICS = (
+    "accuracy", "grpo/zero_std_groups", "response/length_mean", "response/truncated_fraction", "reward/errors",
+    "reward/mean", "reward/std", "reward/timeouts", "train/clip_fraction", "train/entropy", "train/grad_norm",
+    "train/kl", "train/loss", "train/lr", "train/token_mult_prob_error", "val/accuracy", "val/pass_at_1",
+    "val/response_length", "val/reward_mean",
+)
+
+
 def config_notes(cfg: Config) -> list[str]:
     """Settings that are valid but probably not what was meant, as lines for the user."""
     ckpt, grpo = cfg.checkpointing, cfg.grpo
     notes = []
-    if ckpt.enabled and ckpt.metric_name and ckpt.metric_name.startswith("val/") \
+    if ckpt.enabled and ckpt.metric_name and ckpt.metric_name not in RANKABLE_METRICS:
+        notes.append(f"note: checkpointing.metric_name={ckpt.metric_name} is not a metric a checkpoint records, so "
+                     f"checkpoints are kept by recency; it can be one of {', '.join(RANKABLE_METRICS)}")
+    elif ckpt.enabled and ckpt.metric_name and ckpt.metric_name.startswith("val/") \
             and (grpo.val_period == 0 or ckpt.save_period % grpo.val_period):
         why = ("grpo.val_period=0 validates no saved step, so all rank alike (the newest kept)"
                if grpo.val_period == 0 else

@@ -276,3 +276,5 @@ def test_a_held_out_ranking_metric_without_validated_saves_gets_a_note():
     (note,) = config_notes(load_config(None, ["checkpointing.metric_name=val/accuracy", "grpo.val_period=0"]))
     assert "validates no saved step" in note
     assert config_notes(load_config(None, ["checkpointing.metric_name=reward/mean"])) == []  # every save has it
+    (note,) = config_notes(load_config(None, ["checkpointing.metric_name=val/acc"]))  # a typo
+    assert "val/acc is not a metric a checkpoint records" in note and "val/accuracy" in note

@@ -225,6 +225,10 @@ def test_resumed_run_matches_a_straight_run(second, straight_run):
                                   .read_text())["metrics"] for step in (4, 5)}
     assert manifests[4]["val/accuracy"] == next(r["val/accuracy"] for r in straight if r["step"] == 4)
     assert "val/accuracy" not in manifests[5] and manifests[5]["train/loss"] == straight[-1]["train/loss"]
+    assert manifests[5]["reward/mean"] == straight[-1]["reward/mean"]  # the step's samples, too
+    from rlscale.config import RANKABLE_METRICS  # what the config's metric_name note knows of
+
+    assert sorted(manifests[4]) == sorted(RANKABLE_METRICS)
     final = "checkpoints/step_5"
     a_weights = policy_weights(Path(straight_run["run"]) / final)
     b_weights = policy_weights(Path(second["run"]) / final)
