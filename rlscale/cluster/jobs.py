@@ -437,7 +437,7 @@ def submit_cmd(
                "Kubernetes Secret (rlscale-secrets unless renamed in `rlscale cluster render`) mounted as "
                "environment variables on the Ray pods"
                + (f"; {' and '.join(present)} set here {'stays' if len(present) == 1 else 'stay'} here"
-                  if present else ""))
+                  if present else ""), err=True)  # notes on stderr, like the one below; stdout: the job
     for note in _placement_notes(config, list(overrides or [])):
         typer.echo(f"note: {note}", err=True)
     url, client = connect(address, token)

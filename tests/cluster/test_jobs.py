@@ -270,7 +270,7 @@ def test_submit_follows_a_tiny_training_job_to_succeeded_and_leaks_no_secret(ray
     assert result.returncode == 0, out[-4000:]
     job_id = next(line.split(": ", 1)[1] for line in result.stdout.splitlines() if line.startswith("submission id:"))
     assert f"rlscale job logs {job_id} --follow" in result.stdout
-    assert "Kubernetes Secret" in result.stdout and f"job {job_id} SUCCEEDED" in result.stdout
+    assert "Kubernetes Secret" in result.stderr and f"job {job_id} SUCCEEDED" in result.stdout
     assert '"final_step": 2' in result.stdout  # the summary, streamed back
     assert no_sentinel(out)
 
