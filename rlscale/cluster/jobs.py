@@ -478,11 +478,9 @@ def submit_when_ready(client, url: str, submission_id: str | None, submission: d
             with _ray_errors(url):
                 return client.submit_job(submission_id=submission_id, **submission)
         except UserError as exc:
-            if _NO_AGENT in str(exc) and time.monotonic() + pause_s <= deadline:
-                pass
-            elif retried and _job_exists(client, submission_id):
-                return submission_id  # an earlier attempt got through after all
-            else:
+            if _NO_AGENT not in str(exc) or time.monotonic() + pause_s > deadline:
+                if retried and _job_exists(client, submission_id):
+                    return submission_id  # an earlier attempt got through after all
                 raise
         if not retried:
             typer.echo(f"note: the Ray head at {url} has no job agent yet (still starting?); retrying for up "

@@ -223,10 +223,10 @@ Rendered by `rlscale cluster render`. No secret value is in these files.
 
 The image is `{spec.image}`; it must contain rlscale (build one `FROM` it, or put a wheel on the
 shared volume, `pip wheel --no-deps -w {spec.storage.mount_path}/wheels .`, and list its path under
-`job.pip`, or give it to `rlscale job submit --pip`). Metrics: the training driver serves Prometheus on port {spec.ports.metrics} when given
-`logger.prometheus_port={spec.ports.metrics}` (rayjob.yaml's entrypoint has it; add it to
-`rlscale job submit` too); Ray's own metrics are on {spec.ports.ray_metrics}. Both are scraped by
-podmonitoring.yaml.
+`job.pip`, or give it to `rlscale job submit --pip`). Metrics: the training driver serves
+Prometheus on port {spec.ports.metrics} when given `logger.prometheus_port={spec.ports.metrics}`
+(rayjob.yaml's entrypoint has it; add it to `rlscale job submit` too); Ray's own metrics are on
+{spec.ports.ray_metrics}. Both are scraped by podmonitoring.yaml.
 """
 
 

@@ -196,9 +196,9 @@ class PolicyWorker(state_io.CheckpointableWorker):
         policy = self.cfg.policy
         return token_budget(policy, micro_batch_size or policy.train_micro_batch_size or 1)
 
-    def _logprobs(self, model, mb: PackedMicroBatch, with_entropy: bool = False):
+    def _logprobs(self, model, mb: PackedMicroBatch, with_entropy: bool = False, token_loss=None):
         policy = self.cfg.policy
-        return packed_logprobs(model, mb, with_entropy, policy.logprob_chunk_tokens, self.compiled)
+        return packed_logprobs(model, mb, with_entropy, policy.logprob_chunk_tokens, self.compiled, token_loss)
 
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False,
                          micro_batch_size: int | None = None) -> torch.Tensor:
@@ -319,12 +319,10 @@ class PolicyWorker(state_io.CheckpointableWorker):
         def token_loss(logprobs, part=slice(None)):
             return terms_of(logprobs, part).loss[0] * weights[part]
 
-        policy = self.cfg.policy
-        if policy.fused_head_loss:
-            logprobs, entropy, losses = packed_logprobs(self.model, mb, True, policy.logprob_chunk_tokens,
-                                                        self.compiled, token_loss=token_loss)
+        if self.cfg.policy.fused_head_loss:
+            logprobs, entropy, losses = self._logprobs(self.model, mb, True, token_loss)
         else:
-            logprobs, entropy = packed_logprobs(self.model, mb, True, policy.logprob_chunk_tokens, self.compiled)
+            logprobs, entropy = self._logprobs(self.model, mb, True)
             losses = token_loss(logprobs)
         losses.sum().backward()
         with torch.no_grad():
