@@ -38,6 +38,8 @@ ENGINE_VARIANTS = {
     "engine_sdpa": {"compiled": True, "attention": "sdpa"},
     "engine_matmul": {"compiled": True, "attention": "matmul"},
     "engine_spans": {"compiled": True, "spans": True},
+    "engine_autotune": {"compiled": True, "compile_mode": "max-autotune-no-cudagraphs"},
+    "engine_flex_defaults": {"compiled": True, "flex_kernel_options": {}},
     "engine_eager": {"graphs": False},
 }
 VARIANTS = ("hf_dynamic", "hf_static", *ENGINE_VARIANTS)
@@ -83,13 +85,15 @@ def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, static: bool):
 
 
 def _engine_generate(model, prompts: torch.Tensor, new_tokens: int, graphs: bool = True, compiled: bool = False,
-                     attention: str = "auto", spans: bool = False):
+                     attention: str = "auto", spans: bool = False, compile_mode: str | None = None,
+                     flex_kernel_options: dict | None = None):
     from rlscale.rollout import RolloutEngine, SamplingMode
     from rlscale.rollout.engine import DECODE_SPAN_BUCKET
 
     engine = RolloutEngine(model, prompts.device, model.dtype, max_length=prompts.shape[1] + new_tokens + 64,
                            use_cuda_graphs=graphs and prompts.device.type == "cuda", compile_decode=compiled,
-                           decode_attention=attention, decode_span_bucket=DECODE_SPAN_BUCKET if spans else None)
+                           decode_attention=attention, decode_span_bucket=DECODE_SPAN_BUCKET if spans else None,
+                           compile_mode=compile_mode, flex_kernel_options=flex_kernel_options)
     rows = prompts.tolist()
     return lambda: engine.generate(rows, new_tokens, SamplingMode(1.0), eos_ids=[1], pad_id=0, ignore_eos=True)
 

@@ -87,7 +87,21 @@ def _chunk_grad(logits: torch.Tensor, logz: torch.Tensor, grad: torch.Tensor, ta
                 out_dtype: torch.dtype) -> torch.Tensor:
     """d(sum grad · logprob[target]) / d logits = grad · (onehot(target) - softmax(logits))."""
     grad_logits = torch.exp(logits.to(logz.dtype) - logz[:, None]) * -grad[:, None]
-    return grad_logits.scatter_add(-1, targets[:, None], grad[:, None]).to(out_dtype)
+    # the one-hot term as a comparison, not a scatter: compiled, the whole gradient is one
+    # pointwise pass over the logits that writes `out_dtype` (a scatter split it into three
+    # full-size passes); the same additions as a scatter_add, so the same numbers
+    vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
+    onehot_grad = torch.where(vocab_ids == targets[:, None], grad[:, None], 0.0)
+    return (grad_logits + onehot_grad).to(out_dtype)
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc + a @ b in acc's precision (the head's float32 grad_weight over bf16 chunks). On CUDA
+    cuBLAS adds the product straight into float32 (addmm with out_dtype); elsewhere the product is
+    rounded to the inputs' dtype first and then added."""
+    if acc.is_cuda and acc.dtype != a.dtype:
+        return torch.addmm(acc, a, b, out_dtype=acc.dtype)
+    return acc.add_(a @ b)
 
 
 _COMPILED: dict = {}
@@ -143,7 +157,7 @@ class _LinearLogprobs(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start:stop] = grad_logits @ weight
             if grad_weight is not None:
-                grad_weight.add_(grad_logits.T @ rows)
+                grad_weight = _add_product(grad_weight, grad_logits.T, rows)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
@@ -179,7 +193,7 @@ class _LinearLogprobsLoss(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[part] = grad_logits @ weight
             if grad_weight is not None:
-                grad_weight.add_(grad_logits.T @ rows)
+                grad_weight = _add_product(grad_weight, grad_logits.T, rows)
         ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         ctx.mark_non_differentiable(*(t for t in (logprobs, entropy) if t is not None))
         return logprobs, entropy, losses

@@ -91,7 +91,8 @@ class RolloutEngine:
     def __init__(self, source_model, device: torch.device, dtype: torch.dtype, max_length: int = 2048,
                  use_cuda_graphs: bool | None = None, check_every: int = 16, prefill_tokens: int = 16384,
                  compile_decode: bool = False, decode_attention: str = "auto",
-                 decode_span_bucket: int | None = None):
+                 decode_span_bucket: int | None = None, compile_mode: str | None = None,
+                 flex_kernel_options: dict | None = None):
         if decode_span_bucket is not None and decode_span_bucket < 1:
             raise ValueError(f"decode_span_bucket must be positive or None, not {decode_span_bucket}")
         reason = unsupported_reason(source_model.config, max_length)
@@ -107,12 +108,12 @@ class RolloutEngine:
             # path leaves attention uncompiled between its compiled pieces, and CPU runs eagerly.
             whole_compiled = compile_decode and self.device.type == "cuda" and decode_span_bucket is None
             decode_attention = "flex" if whole_compiled else "sdpa"
-        self.forward = DecoderForward(self.weights, cos, sin, decode_attention)
+        self.forward = DecoderForward(self.weights, cos, sin, decode_attention, flex_kernel_options)
         self.span_bucket = decode_span_bucket
         if not compile_decode:
             self._decode_and_sample = self._forward_and_sample
         elif decode_span_bucket is None:
-            self._decode_and_sample = torch.compile(self._forward_and_sample, dynamic=False)
+            self._decode_and_sample = torch.compile(self._forward_and_sample, dynamic=False, mode=compile_mode)
         else:
             self._decode_and_sample = self._compiled_in_pieces()
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs

@@ -145,3 +145,59 @@ def test_fused_loss_refuses_anything_but_the_sum_of_its_losses():
     _, _, losses = linear_logprobs_loss(hidden, weight, targets, _grpo_token_loss(13, torch.float64), chunk=4)
     with pytest.raises(RuntimeError, match="backpropagate losses.sum"):
         (losses * upstream.double()).sum().backward()
+
+
+# --- the chunk gradient kernel and the head's float32 grad_weight ----------------------------------
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_chunk_gradient_is_the_scatter_formula_bit_for_bit(out_dtype):
+    """The one-hot term is a comparison (one pointwise pass when compiled), with the same
+    additions as grad · (onehot − softmax) built by scatter_add: the same bits."""
+    from rlscale.grpo.loss import _chunk_grad
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(7, 50, generator=gen) * 4).to(out_dtype)
+    targets = torch.randint(0, 50, (7,), generator=gen)
+    targets[2] = targets[3]  # two rows on one token; every other row on its own
+    logz = torch.logsumexp(logits.float(), -1)
+    grad = torch.randn(7, generator=gen)
+    expected = (torch.exp(logits.float() - logz[:, None]) * -grad[:, None]).scatter_add(
+        -1, targets[:, None], grad[:, None]).to(out_dtype)
+    got = _chunk_grad(logits, logz, grad, targets, out_dtype)
+    assert got.dtype == out_dtype
+    assert torch.equal(got, expected)
+    # and it is the gradient of sum(grad · logprob[target])
+    leaf = logits.float().requires_grad_()
+    (torch.log_softmax(leaf, -1).gather(-1, targets[:, None]).squeeze(-1) * grad).sum().backward()
+    torch.testing.assert_close(got.float(), leaf.grad, atol=1e-2 if out_dtype == torch.bfloat16 else 1e-6,
+                               rtol=1e-2 if out_dtype == torch.bfloat16 else 1e-5)
+
+
+def test_grad_weight_accumulates_in_the_buffer_precision():
+    from rlscale.grpo.loss import _add_product
+
+    gen = torch.Generator().manual_seed(4)
+    acc = torch.randn(6, 5, generator=gen)
+    a, b = torch.randn(6, 8, generator=gen), torch.randn(8, 5, generator=gen)
+    torch.testing.assert_close(_add_product(acc.clone(), a, b), acc + a @ b)
+    # bf16 inputs on CPU: the product is rounded to bf16, then added to the float32 buffer
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    assert torch.equal(_add_product(acc.clone(), a16, b16), acc + (a16 @ b16).float())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's float32 output for bf16 inputs is CUDA-only")
+def test_grad_weight_on_cuda_adds_the_unrounded_product():
+    from rlscale.grpo.loss import _add_product
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    acc = torch.zeros(64, 32, device="cuda")
+    a = torch.randn(64, 256, device="cuda", generator=gen).bfloat16() * 1e-3
+    b = torch.randn(256, 32, device="cuda", generator=gen).bfloat16()
+    exact = a.float() @ b.float()
+    for _ in range(4):
+        acc = _add_product(acc, a, b)
+    assert acc.dtype == torch.float32
+    rounded_each_time = torch.zeros_like(acc)
+    for _ in range(4):
+        rounded_each_time += (a @ b).float()
+    assert (acc - 4 * exact).abs().max() < (rounded_each_time - 4 * exact).abs().max()
