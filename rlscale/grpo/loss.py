@@ -83,23 +83,39 @@ def _chunk_forward(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bo
     return logprobs, logz, entropy
 
 
+def _softmax_grad(logits: torch.Tensor, logz: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The -grad · softmax(logits) part of the chunk gradient, in logz's precision."""
+    return torch.exp(logits.to(logz.dtype) - logz[:, None]) * -grad[:, None]
+
+
 def _chunk_grad(logits: torch.Tensor, logz: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor,
                 out_dtype: torch.dtype) -> torch.Tensor:
-    """d(sum grad · logprob[target]) / d logits = grad · (onehot(target) - softmax(logits))."""
-    grad_logits = torch.exp(logits.to(logz.dtype) - logz[:, None]) * -grad[:, None]
-    # the one-hot term as a comparison, not a scatter: compiled, the whole gradient is one
-    # pointwise pass over the logits that writes `out_dtype` (a scatter split it into three
-    # full-size passes); the same additions as a scatter_add, so the same numbers
-    vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
-    onehot_grad = torch.where(vocab_ids == targets[:, None], grad[:, None], 0.0)
-    return (grad_logits + onehot_grad).to(out_dtype)
+    """d(sum grad · logprob[target]) / d logits = grad · (onehot(target) - softmax(logits)).
+    targets must be valid token ids (the forward's gather has checked them)."""
+    return _softmax_grad(logits, logz, grad).scatter_add_(-1, targets[:, None], grad[:, None]).to(out_dtype)
+
+
+def _chunk_grad_pointwise(logits: torch.Tensor, logz: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor,
+                          out_dtype: torch.dtype) -> torch.Tensor:
+    """`_chunk_grad` with the one-hot term as a comparison instead of a scatter, for torch.compile:
+    compiled, the whole gradient is one pointwise pass over the logits that writes `out_dtype`
+    (a scatter splits it into three full-size passes). The same additions, so the same bits when
+    run eagerly (compiled code may fuse a multiply and an add, old and new alike); eager, it would
+    hold two more [N, V] temporaries than the in-place scatter, which is why eager code uses that."""
+    softmax_part = _softmax_grad(logits, logz, grad)
+    is_target = torch.arange(logits.shape[-1], device=logits.device) == targets[:, None]
+    return torch.where(is_target, softmax_part + grad[:, None], softmax_part).to(out_dtype)
+
+
+# torch.addmm's out_dtype (bf16 inputs, float32 output) is CUDA-only and arrived in torch 2.8
+_ADDMM_OUT_DTYPE = torch.__version__ >= "2.8"
 
 
 def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """acc + a @ b in acc's precision (the head's float32 grad_weight over bf16 chunks). On CUDA
-    cuBLAS adds the product straight into float32 (addmm with out_dtype); elsewhere the product is
-    rounded to the inputs' dtype first and then added."""
-    if acc.is_cuda and acc.dtype != a.dtype:
+    """acc + a @ b in acc's precision (the head's float32 grad_weight over bf16 chunks); use the
+    result, which on CUDA is a new tensor. There cuBLAS adds the product straight into float32
+    (addmm with out_dtype); elsewhere the product is rounded to the inputs' dtype, then added in place."""
+    if acc.is_cuda and acc.dtype != a.dtype and _ADDMM_OUT_DTYPE:
         return torch.addmm(acc, a, b, out_dtype=acc.dtype)
     return acc.add_(a @ b)
 
@@ -114,7 +130,7 @@ def _kernels(compiled: bool):
         return _chunk_forward, _chunk_grad
     if not _COMPILED:
         _COMPILED["forward"] = torch.compile(_chunk_forward, dynamic=True)
-        _COMPILED["grad"] = torch.compile(_chunk_grad, dynamic=True)
+        _COMPILED["grad"] = torch.compile(_chunk_grad_pointwise, dynamic=True)
     return _COMPILED["forward"], _COMPILED["grad"]
 
 

@@ -115,7 +115,7 @@ class RolloutEngine:
         elif decode_span_bucket is None:
             self._decode_and_sample = torch.compile(self._forward_and_sample, dynamic=False, mode=compile_mode)
         else:
-            self._decode_and_sample = self._compiled_in_pieces()
+            self._decode_and_sample = self._compiled_in_pieces(compile_mode)
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.check_every = check_every
         self.prefill_tokens = prefill_tokens
@@ -128,7 +128,7 @@ class RolloutEngine:
     def sync_weights(self, source_model) -> None:
         self.weights.sync_from(source_model)
 
-    def _compiled_in_pieces(self):
+    def _compiled_in_pieces(self, compile_mode: str | None = None):
         """_forward_and_sample with spans, compiled in pieces whose shapes never depend on the span.
 
         torch.compile fuses the norms, rotary and activation kernels of a decode step, and the
@@ -145,9 +145,9 @@ class RolloutEngine:
         well within dynamo's recompile limit (8 per function; past it a function silently runs
         eagerly), which therefore stays as it is.
         """
-        head = torch.compile(self.forward.decode_head, dynamic=False)
-        tail = torch.compile(self.forward.block_tail, dynamic=False)
-        final = torch.compile(self._sample, dynamic=False)
+        head = torch.compile(self.forward.decode_head, dynamic=False, mode=compile_mode)
+        tail = torch.compile(self.forward.block_tail, dynamic=False, mode=compile_mode)
+        final = torch.compile(self._sample, dynamic=False, mode=compile_mode)
 
         def decode_and_sample(tokens, positions, cache, span, mode, uniform):
             h = self.forward.decode_hidden(tokens, positions, cache, span, head, tail)

@@ -69,11 +69,20 @@ def rotary_table(source_model, max_length: int, device, dtype) -> tuple[torch.Te
 
 
 FLEX_KV_BLOCK = 128  # cache positions per block of the flex block mask (flex attention's default)
-# Triton options of the compiled flex decode kernel on CUDA. On an H200 at the Qwen2-0.5B decode
-# shape (256 slots, 2 kv heads × 7 grouped queries, head dim 64, live prefixes of 64..320 of 384
+# Triton options of the compiled flex decode kernel on Hopper-class GPUs (compute capability 9.0+,
+# where they were measured; elsewhere flex chooses). On an H200 at the Qwen2-0.5B decode shape
+# (256 slots, 2 kv heads × 7 grouped queries, head dim 64, live prefixes of 64..320 of 384
 # positions) these took 13.6 µs per call where flex's defaults took 17.1 (24 calls in one CUDA
-# graph); the other BLOCK_N / warps / stages tried, split-KV and max-autotune were no faster.
+# graph, bench/decode_micro.py); the other BLOCK_N / warps / stages tried, split-KV and
+# max-autotune were no faster. Given options replace flex's own candidates, max-autotune's too.
 FLEX_DECODE_KERNEL_OPTIONS = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3}
+
+
+def default_flex_kernel_options(device: torch.device) -> dict:
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0):
+        return dict(FLEX_DECODE_KERNEL_OPTIONS)
+    return {}
 
 
 def live_prefix_block_mask(positions: torch.Tensor, span: int, queries: int):
@@ -106,8 +115,10 @@ class DecoderForward:
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, not {decode_attention!r}")
         self.decode_attention = decode_attention
-        # None = the tuned options above on CUDA; {} = flex attention's own defaults
-        self.flex_kernel_options = FLEX_DECODE_KERNEL_OPTIONS if flex_kernel_options is None else flex_kernel_options
+        # None = the tuned options above where they apply; {} = flex attention's own choice
+        if flex_kernel_options is None:
+            flex_kernel_options = default_flex_kernel_options(weights.embed.device)
+        self.flex_kernel_options = flex_kernel_options
 
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor, qkv: torch.Tensor, qkv_bias: torch.Tensor | None,
              q_norm: torch.Tensor | None, k_norm: torch.Tensor | None):
@@ -193,8 +204,8 @@ class DecoderForward:
         elif self.decode_attention == "flex":
             from torch.nn.attention.flex_attention import flex_attention
 
-            options = self.flex_kernel_options if q.is_cuda else None
-            attn = flex_attention(q, keys, values, block_mask=visible, kernel_options=options or None)
+            attn = flex_attention(q, keys, values, block_mask=visible,
+                                  kernel_options=(self.flex_kernel_options or None) if q.is_cuda else None)
         else:  # plain batched matmuls; torch.compile, when it covers them, fuses the mask and softmax
             scores = (q @ keys.transpose(-1, -2)).float() * self.s.head_dim ** -0.5
             probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(values.dtype)

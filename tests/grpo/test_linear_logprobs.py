@@ -64,7 +64,7 @@ def test_compiled_chunk_kernels_trace_whole_and_agree(monkeypatch):
     from rlscale.grpo import loss
 
     compiled = {name: torch.compile(fn, dynamic=True, backend="aot_eager", fullgraph=True)
-                for name, fn in (("forward", loss._chunk_forward), ("grad", loss._chunk_grad))}
+                for name, fn in (("forward", loss._chunk_forward), ("grad", loss._chunk_grad_pointwise))}
     monkeypatch.setattr(loss, "_COMPILED", compiled)
     hidden, weight, targets, upstream = _inputs(dtype=torch.float32)
     results = []
@@ -149,28 +149,38 @@ def test_fused_loss_refuses_anything_but_the_sum_of_its_losses():
 
 # --- the chunk gradient kernel and the head's float32 grad_weight ----------------------------------
 
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_chunk_gradient_is_the_scatter_formula_bit_for_bit(out_dtype):
-    """The one-hot term is a comparison (one pointwise pass when compiled), with the same
-    additions as grad · (onehot − softmax) built by scatter_add: the same bits."""
-    from rlscale.grpo.loss import _chunk_grad
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns (torch.equal calls -0.0 and +0.0 equal; these differ)."""
+    return t.view({torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}[t.dtype])
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.float64, torch.float64)])
+def test_the_compiled_chunk_gradient_is_the_scatter_formula_bit_for_bit(dtype, out_dtype):
+    """The pointwise form (one pass when compiled) makes the scatter's additions: the same bits,
+    signed zeros included (rows with a zero upstream gradient, logits at -inf)."""
+    from rlscale.grpo.loss import _chunk_grad, _chunk_grad_pointwise
 
     gen = torch.Generator().manual_seed(3)
-    logits = (torch.randn(7, 50, generator=gen) * 4).to(out_dtype)
-    targets = torch.randint(0, 50, (7,), generator=gen)
-    targets[2] = targets[3]  # two rows on one token; every other row on its own
-    logz = torch.logsumexp(logits.float(), -1)
-    grad = torch.randn(7, generator=gen)
-    expected = (torch.exp(logits.float() - logz[:, None]) * -grad[:, None]).scatter_add(
-        -1, targets[:, None], grad[:, None]).to(out_dtype)
-    got = _chunk_grad(logits, logz, grad, targets, out_dtype)
-    assert got.dtype == out_dtype
-    assert torch.equal(got, expected)
+    rows, vocab = 96, 50
+    logits = (torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * 6).to(dtype)
+    logits[5, :7] = float("-inf")
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[2] = targets[3]  # rows on one token
+    acc = torch.promote_types(dtype, torch.float32)
+    logz = torch.logsumexp(logits.to(acc), -1)
+    grad = torch.randn(rows, generator=gen, dtype=torch.float64).to(acc)
+    grad[::7] = 0.0  # clipped tokens: -grad · p is -0.0 there
+    scattered = _chunk_grad(logits, logz, grad, targets, out_dtype)
+    pointwise = _chunk_grad_pointwise(logits, logz, grad, targets, out_dtype)
+    assert scattered.dtype == pointwise.dtype == out_dtype
+    assert torch.equal(_bits(scattered), _bits(pointwise))
+    assert torch.signbit(scattered[0::7]).any()  # the signed zeros are there to compare
     # and it is the gradient of sum(grad · logprob[target])
-    leaf = logits.float().requires_grad_()
+    leaf = logits.to(acc).requires_grad_()
     (torch.log_softmax(leaf, -1).gather(-1, targets[:, None]).squeeze(-1) * grad).sum().backward()
-    torch.testing.assert_close(got.float(), leaf.grad, atol=1e-2 if out_dtype == torch.bfloat16 else 1e-6,
-                               rtol=1e-2 if out_dtype == torch.bfloat16 else 1e-5)
+    loose = out_dtype == torch.bfloat16
+    torch.testing.assert_close(scattered.to(acc), leaf.grad, atol=1e-2 if loose else 1e-6, rtol=1e-2 if loose else 1e-5)
 
 
 def test_grad_weight_accumulates_in_the_buffer_precision():

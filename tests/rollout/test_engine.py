@@ -343,3 +343,17 @@ def test_compiled_flex_decode_attention_reads_the_live_blocks_and_equals_masked_
     short = torch.compile(attend_first_block_only, dynamic=False)(q, keys, values, positions)
     changed = (short - out).abs().amax(dim=(1, 2, 3))
     assert changed[:2].max() < 1e-5 and changed[2:].min() > 1e-2
+
+
+def test_flex_decode_options_are_only_the_measured_ones_where_they_were_measured():
+    from rlscale.rollout.forward import FLEX_DECODE_KERNEL_OPTIONS, default_flex_kernel_options
+
+    # measured on Hopper only: elsewhere flex attention picks its own Triton options
+    assert default_flex_kernel_options(torch.device("cpu")) == {}
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
+        assert default_flex_kernel_options(torch.device("cuda")) == FLEX_DECODE_KERNEL_OPTIONS
+    model = make("qwen2")
+    assert RolloutEngine(model, torch.device("cpu"), torch.float32, 64).forward.flex_kernel_options == {}
+    chosen = {"num_stages": 2}
+    engine = RolloutEngine(model, torch.device("cpu"), torch.float32, 64, flex_kernel_options=chosen)
+    assert engine.forward.flex_kernel_options == chosen
