@@ -56,10 +56,26 @@ class Verdict:
 
 
 def read_manifest(step_dir: Path) -> dict | None:
+    """The step's manifest, or None when it is missing, unreadable or not shaped like one (a
+    damaged step is skipped like a missing one, never a crash in whoever reads it)."""
     try:
-        return json.loads((step_dir / MANIFEST).read_text())
+        manifest = json.loads((step_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
+    return manifest if _manifest_shaped(manifest) else None
+
+
+def _manifest_shaped(manifest) -> bool:
+    def sizes(value) -> bool:
+        return isinstance(value, dict) and all(
+            isinstance(k, str) and type(v) is int and v >= 0 for k, v in value.items())
+
+    def strings(value) -> bool:
+        return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+    return (isinstance(manifest, dict) and sizes(manifest.get("files", {}))
+            and strings(manifest.get("checksums", {})) and isinstance(manifest.get("metrics", {}), dict)
+            and type(manifest.get("step", 0)) is int)
 
 
 def verify_step_dir(step_dir: Path, checksums: bool = False, readers: int = 4) -> Verdict:
@@ -72,7 +88,7 @@ def verify_step_dir(step_dir: Path, checksums: bool = False, readers: int = 4) -
         return Verdict(False, f"{step_dir} is not a directory")
     manifest = read_manifest(step_dir)
     if manifest is None:
-        return Verdict(False, f"{MANIFEST} is missing or unreadable")
+        return Verdict(False, f"{MANIFEST} is missing, unreadable or not a manifest")
     files = manifest.get("files", {})
     for rel, size in files.items():
         path = step_dir / rel

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -46,9 +47,19 @@ def export_policy(step_dir: Path, out: Path) -> Path:
     policy_files = [rel for rel in manifest["files"] if rel.startswith(prefix)]
     if not any(rel.endswith(".safetensors") for rel in policy_files):
         raise UserError(f"checkpoint {str(step_dir)!r} holds no policy weights")
-    out.mkdir(parents=True, exist_ok=True)
-    for rel in policy_files:
-        target = out / rel[len(prefix):]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(step_dir / rel, target)
+    # copied beside `out` under a temporary name, fsync'd, then renamed: a failed or interrupted
+    # export (a full disk) never leaves a model directory that looks whole
+    staging = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
+    try:
+        staging.mkdir(parents=True)
+        for rel in policy_files:
+            target = staging / rel[len(prefix):]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(step_dir / rel, target)
+            with open(target, "rb+") as handle:
+                os.fsync(handle.fileno())
+        os.replace(staging, out)  # POSIX rename also replaces an empty directory
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UserError(f"export to {str(out)!r} failed: {exc.strerror or exc}") from None
     return out

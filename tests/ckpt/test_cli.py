@@ -4,6 +4,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from rlscale.ckpt import layout
 from rlscale.cli import app
 from rlscale.errors import UserError
 from tests.ckpt.conftest import checkpointer_for, make_group, train_steps
@@ -69,3 +70,37 @@ def test_export_writes_a_model_dir_transformers_loads(run_dir, tmp_path):
         assert torch.equal(model(input_ids=ids).logits, worker.model(input_ids=ids).logits)
     again = invoke("ckpt", "export", root / "step_2", out)
     assert isinstance(again.exception, UserError) and "not an empty directory" in str(again.exception)
+
+
+def test_a_failed_export_leaves_nothing_that_looks_like_a_model(run_dir, tmp_path, monkeypatch):
+    import shutil
+
+    root, _ = run_dir
+    real_copy, copies = shutil.copyfile, []
+
+    def copy_then_disk_full(src, dst):
+        if copies:
+            raise OSError(28, "No space left on device", str(dst))
+        copies.append(dst)
+        return real_copy(src, dst)
+
+    monkeypatch.setattr(shutil, "copyfile", copy_then_disk_full)
+    out = tmp_path / "exported"
+    result = invoke("ckpt", "export", root / "step_2", out)
+    assert isinstance(result.exception, UserError)
+    assert "No space left on device" in str(result.exception) and str(out) in str(result.exception)
+    assert copies and not out.exists()
+    assert not [p for p in tmp_path.iterdir() if "exported" in p.name]  # no partial dir, no staging left
+
+
+@pytest.mark.parametrize("manifest", ['[1, 2]', '{"files": [1]}', '{"files": {"a": "12"}}', '{"step": "x"}',
+                                      '{"files": {}, "checksums": [1]}', '"text"'])
+def test_a_manifest_of_the_wrong_shape_is_a_damaged_step_not_a_crash(run_dir, manifest):
+    root, _ = run_dir
+    (root / "step_2" / "manifest.json").write_text(manifest)
+    listed = invoke("ckpt", "list", root)
+    assert listed.exit_code == 0, listed.output
+    assert "step       2  damaged" in listed.output and "not a manifest" in listed.output
+    verified = invoke("ckpt", "verify", root / "step_2")
+    assert verified.exit_code == 1 and "damaged" in verified.output
+    assert layout.latest_intact(root).name == "step_1"  # what resume=auto takes
