@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -67,7 +68,8 @@ def evaluate_cmd(
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="a committed step_N directory"),
     config: Optional[Path] = CONFIG_OPTION,
     k: int = typer.Option(1, "--k", min=1, help="samples per problem for pass@k"),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="default: 0 for k=1, else policy's"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0,
+                                                help="default: 0 for k=1, else policy's"),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="held-out problems to use"),
 ) -> None:
     """Accuracy and pass@k on the held-out set, for a model or a checkpoint."""
@@ -406,6 +408,12 @@ def main() -> None:
     except KeyboardInterrupt:
         typer.echo("rlscale: interrupted", err=True)
         sys.exit(130)
+    except OSError as exc:  # the file system or network refused (disk full, a name too long, ...)
+        if os.environ.get("RLSCALE_TRACEBACK"):
+            raise
+        where = "".join(f"{name}: " for name in (exc.filename, exc.filename2) if name)
+        typer.echo(f"rlscale: error: {where}{exc.strerror or exc} (RLSCALE_TRACEBACK=1 shows where)", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

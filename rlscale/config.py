@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -23,7 +23,7 @@ from rlscale.errors import UserError, validation_message
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -60,7 +60,8 @@ class GenerationConfig(_Section):
 class OptimizerConfig(_Section):
     lr: float = Field(2e-4, gt=0.0, description="AdamW peak learning rate")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        (0.9, 0.999), description="AdamW betas, each in [0, 1)")
     eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
 
 
@@ -134,14 +135,15 @@ class GRPOConfig(_Section):
     val_at_end: bool = Field(True, description="validate after the last step")
     max_val_samples: int = Field(256, ge=1, description="held-out problems per validation")
     val_temperature: float = Field(0.0, ge=0.0, description="validation sampling temperature (0 = greedy)")
-    seed: int = Field(42, description="seeds data order, sampling and initialisation")
+    seed: int = Field(42, ge=0, le=2**32 - 1, description="seeds data order, sampling and initialisation")
 
 
 class ArithmeticConfig(_Section):
     max_operand: int = Field(99, ge=1, description="operands are drawn from 0..max_operand")
     operations: str = Field("+", pattern=r"^[+\-*]+$", description="operators to draw from")
     num_val_problems: int = Field(256, ge=1, description="held-out problems, never used for training")
-    seed: int = Field(1234, description="seeds the problem stream and the held-out set (fixed across runs)")
+    seed: int = Field(1234, ge=0, le=2**32 - 1,
+                      description="seeds the problem stream and the held-out set (fixed across runs)")
 
 
 class DataConfig(_Section):
@@ -275,7 +277,7 @@ class MlflowConfig(_Section):
 
 
 class LoggerConfig(_Section):
-    log_dir: str = Field("runs/default", description="run directory: config, metrics, summary")
+    log_dir: str = Field("runs/default", min_length=1, description="run directory: config, metrics, summary")
     tensorboard_enabled: bool = Field(False, description="write TensorBoard events to <log_dir>/tensorboard")
     wandb_enabled: bool = Field(
         False, description="log to Weights & Biases (pip install 'rlscale[wandb]'); a resumed run "
@@ -464,9 +466,11 @@ def read_yaml_mapping(path: str | Path, what: str, of: str = "keys") -> dict[str
     """A YAML file that must hold a mapping (empty file: {}); one-line UserError naming the file."""
     path = Path(path)
     try:
-        loaded = yaml.safe_load(path.read_text())
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise UserError(f"cannot read {what} {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{what} {str(path)!r} is not UTF-8 text (byte {exc.start})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -476,6 +480,18 @@ def read_yaml_mapping(path: str | Path, what: str, of: str = "keys") -> dict[str
     return loaded or {}
 
 
+def check_reward_spec(spec) -> tuple[str, str]:
+    """rewards.function 'package.module:function' -> (module, attribute path), without importing
+    anything (a dry run checks it); 'math' -> ('', 'math')."""
+    if spec == "math":
+        return "", "math"
+    module_name, sep, attr_path = (spec if isinstance(spec, str) else "").partition(":")
+    module_name, attr_path = module_name.strip(), attr_path.strip()
+    if not sep or not module_name or not attr_path:
+        raise UserError(f"rewards.function {spec!r} must be 'math' or 'package.module:function'")
+    return module_name, attr_path
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the YAML file, then dotted overrides; raises UserError on any problem."""
     tree: dict[str, Any] = read_yaml_mapping(path, "config file", "sections") if path is not None else {}
@@ -483,9 +499,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as err:
         raise UserError(validation_message(err, "config")) from None
+    # the checks that need no file: a dry run, a job submission or a render refuses what the run would
+    from rlscale.data.presets import check_data_config
+
+    check_data_config(cfg.data)
+    check_reward_spec(cfg.rewards.function)
+    return cfg
 
 
 def iter_reference(model: type[BaseModel] = Config, prefix: str = ""):

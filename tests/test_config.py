@@ -28,7 +28,7 @@ def _get(cfg: Config, dotted: str):
 
 @pytest.mark.parametrize("override, expected", [
     ("grpo.max_num_steps=20", 20),
-    ("grpo.seed=-3", -3),
+    ("grpo.seed=3", 3),
     ("policy.optimizer.lr=1e-6", 1e-6),  # YAML 1.1 reads 1e-6 as text; the float field converts it
     ("policy.optimizer.lr=3.0e-6", 3e-6),
     ("policy.optimizer.lr=0.5", 0.5),
@@ -57,7 +57,8 @@ def _get(cfg: Config, dotted: str):
     ("+grpo.max_num_steps=7", 7),  # Hydra's "+" prefix is accepted
 ])
 def test_override_values_are_typed(override, expected):
-    cfg = load_config(None, [override])
+    # the hub dataset, so that its keys (hf_subset, prompt_key) are ones the dataset uses
+    cfg = load_config(None, ["data.dataset_name=gsm8k", override])
     value = _get(cfg, override.lstrip("+").partition("=")[0])
     assert value == expected
     assert type(value) is type(expected)
@@ -103,6 +104,11 @@ def test_parse_override_splits_at_the_first_equals_sign():
      "config key 'logger.wandb.mode': input should be 'online', 'offline' or 'disabled' "
      "(got 'sometimes')"),
     (["logger.mlflow.experimnt=x"], "unknown config key 'logger.mlflow.experimnt'"),
+    (["grpo.seed=99999999999999999999999"],
+     "config key 'grpo.seed': input should be less than or equal to 4294967295 (got 99999999999999999999999)"),
+    (["policy.optimizer.lr=.inf"], "config key 'policy.optimizer.lr': input should be a finite number (got inf)"),
+    (["policy.optimizer.betas=[0.9,5]"], "config key 'policy.optimizer.betas.1': input should be less than 1 (got 5)"),
+    (["logger.log_dir="], "config key 'logger.log_dir': string should have at least 1 character (got '')"),
     (TWO_STEPS + ["policy.train_global_batch_size=100"],
      "config: policy.train_global_batch_size=100 must divide grpo.num_prompts_per_step × grpo.num_generations_per_prompt = 256"),
 ])
@@ -123,6 +129,9 @@ def test_bad_files_are_user_errors(tmp_path):
         load_config(tmp_path / "list.yaml")
     with pytest.raises(UserError, match=r"cannot read config file '.*absent.yaml': No such file or directory"):
         load_config(tmp_path / "absent.yaml")
+    (tmp_path / "utf16.yaml").write_bytes(b"\xff\xfeg\x00")
+    with pytest.raises(UserError, match=r"config file '.*utf16.yaml' is not UTF-8 text \(byte 0\)"):
+        load_config(tmp_path / "utf16.yaml")
 
 
 # ---------------------------------------------------------------- derived sizes

@@ -277,7 +277,13 @@ def build_submission(working_dir: Path, config: Path | None, overrides: list[str
                             "it travels with the upload, so put it inside (or pass --working-dir)") from None
         config_text = Path(config).read_text(errors="replace")
     check_no_secrets(overrides, env, config_text, extra)
-    for word in shlex.split(launcher):  # `HF_TOKEN=... rlscale` would put it in the entrypoint
+    try:
+        launcher_words = shlex.split(launcher)
+    except ValueError as exc:
+        raise UserError(f"--launcher {launcher!r} is not a valid shell command: {exc}") from None
+    if not launcher_words:
+        raise UserError("--launcher is empty (expected the command that runs rlscale, e.g. 'rlscale')")
+    for word in launcher_words:  # `HF_TOKEN=... rlscale` would put it in the entrypoint
         name, sep, value = word.partition("=")
         reason = _secret_reason(name, value, extra) if sep else None
         if reason:
@@ -301,7 +307,7 @@ def build_submission(working_dir: Path, config: Path | None, overrides: list[str
         # same key in the job's env is a conflict for Ray unless told to merge (the driver's value
         # already starts with the job's).
         env_vars.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
-    command = [*shlex.split(launcher), "train"]
+    command = [*launcher_words, "train"]
     if rel is not None:
         command += ["--config", rel]
     command += overrides

@@ -134,10 +134,24 @@ def _load_hub(cfg: DataConfig, preset: Preset, fields: FieldMap, seed: int):
     return carve_off(train, cfg.val_size, seed, f"dataset '{name}' split '{train_split}'")
 
 
-def build_datasets(data_cfg: DataConfig, seed: int) -> Datasets:
-    """Training source and held-out problems for the configured dataset; raises UserError."""
+def check_data_config(data_cfg: DataConfig) -> Preset:
+    """What can be checked without reading a file: the dataset is known, its keys are the ones it
+    uses, the ones it needs are there, the template is usable. `load_config` runs it, so
+    `train --dry-run`, `job submit` and `cluster render` refuse what a run would refuse."""
     preset = find_preset(data_cfg.dataset_name)
     _check_unused_keys(data_cfg, preset)
+    if preset.kind in ("jsonl", "parquet") and not data_cfg.train_path:
+        raise UserError(f"data.train_path is required for data.dataset_name={preset.name}")
+    if preset.kind == "hub" and not (data_cfg.hf_name or preset.hf_name):
+        raise UserError("data.hf_name is required for data.dataset_name=huggingface")
+    if data_cfg.prompt_template is not None:
+        check_template(data_cfg.prompt_template)
+    return preset
+
+
+def build_datasets(data_cfg: DataConfig, seed: int) -> Datasets:
+    """Training source and held-out problems for the configured dataset; raises UserError."""
+    preset = check_data_config(data_cfg)
     fields = _field_map(data_cfg, preset)
     if preset.kind == "arithmetic":
         # the arithmetic task has its own seed so its held-out set stays fixed across runs

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Callable
 
+from rlscale.config import check_reward_spec
 from rlscale.errors import UserError
 
 RewardFn = Callable[[str, str], float]
@@ -15,6 +16,8 @@ RewardFn = Callable[[str, str], float]
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 
 
 def _import(spec: str, module_name: str):
@@ -53,10 +56,7 @@ def load_reward_function(spec: str) -> RewardFn:
         from rlscale.rewards.math_answer import math_reward
 
         return math_reward
-    module_name, sep, attr_path = (spec if isinstance(spec, str) else "").partition(":")
-    module_name, attr_path = module_name.strip(), attr_path.strip()
-    if not sep or not module_name or not attr_path:
-        raise UserError(f"rewards.function {spec!r} must be 'math' or 'package.module:function'")
+    module_name, attr_path = check_reward_spec(spec)
     obj = _import(spec, module_name)
     for attr in attr_path.split("."):
         if not hasattr(obj, attr):

@@ -104,3 +104,28 @@ def test_a_manifest_of_the_wrong_shape_is_a_damaged_step_not_a_crash(run_dir, ma
     verified = invoke("ckpt", "verify", root / "step_2")
     assert verified.exit_code == 1 and "damaged" in verified.output
     assert layout.latest_intact(root).name == "step_1"  # what resume=auto takes
+
+
+def test_an_os_error_reaches_the_user_as_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    """main()'s backstop: a file-system refusal no command anticipated is one line and exit 2,
+    not a traceback; RLSCALE_TRACEBACK=1 brings the traceback back."""
+    import sys
+
+    from rlscale import cli
+    from rlscale.ckpt import tools
+
+    def refuse(root):
+        raise OSError(36, "File name too long", str(root / "x"))
+
+    monkeypatch.setattr(tools, "list_steps", refuse)
+    monkeypatch.setattr(sys, "argv", ["rlscale", "ckpt", "list", str(tmp_path)])
+    monkeypatch.delenv("RLSCALE_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main()
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"rlscale: error: {tmp_path / 'x'}: File name too long")
+    monkeypatch.setenv("RLSCALE_TRACEBACK", "1")
+    with pytest.raises(OSError, match="File name too long"):
+        cli.main()

@@ -378,6 +378,10 @@ def test_the_config_must_travel_with_the_upload(tmp_path):
         build_submission(tmp_path / "wd", tmp_path / "wd" / "conf" / "my run.yaml", [], {}, "", "")
     with pytest.raises(UserError, match="unknown config key"):
         build_submission(tmp_path / "wd", None, ["grpo.no_such_key=1"], {}, "", "")
+    with pytest.raises(UserError, match=r"--launcher \"'x\" is not a valid shell command: No closing quotation"):
+        build_submission(tmp_path / "wd", None, [], {}, "", "", launcher="'x")
+    with pytest.raises(UserError, match="--launcher is empty"):
+        build_submission(tmp_path / "wd", None, [], {}, "", "", launcher=" ")
 
 
 class _StartingDashboard(http.server.BaseHTTPRequestHandler):

@@ -59,10 +59,19 @@ def test_template_without_placeholder_is_a_user_error():
 
 
 def test_keys_the_dataset_ignores_are_user_errors():
-    cfg = load_config(overrides=["data.train_path=x.jsonl"])  # forgot data.dataset_name=jsonl
+    # checked when the config loads (so a dry run or a job submission refuses it), and again by
+    # build_datasets for a DataConfig made any other way
     with pytest.raises(UserError, match=r"data.train_path is set but data.dataset_name='arithmetic' "
                                         r"does not use it \(used by: jsonl, parquet\)"):
-        build_datasets(cfg.data, 0)
+        load_config(overrides=["data.train_path=x.jsonl"])  # forgot data.dataset_name=jsonl
+    with pytest.raises(UserError, match=r"data.train_path is set but data.dataset_name='arithmetic'"):
+        build_datasets(DataConfig(train_path="x.jsonl"), 0)
+    with pytest.raises(UserError, match=r"data.train_path is required for data.dataset_name=jsonl"):
+        load_config(overrides=["data.dataset_name=jsonl"])
+    with pytest.raises(UserError, match=r"data.prompt_template='\{foo\}' must contain \{problem\}"):
+        load_config(overrides=["data.prompt_template={foo}"])
+    with pytest.raises(UserError, match=r"rewards.function 'garbage' must be 'math' or 'package.module:function'"):
+        load_config(overrides=["rewards.function=garbage"])
     with pytest.raises(UserError, match="data.hf_subset is set"):
         build_datasets(DataConfig(dataset_name="jsonl", hf_subset="main"), 0)
 

@@ -154,8 +154,8 @@ def test_mlflow_file_store_holds_params_and_metrics_and_resumes_the_same_run(tmp
 
     log_dir = tmp_path / "grpo-tiny"
     log_dir.mkdir()
-    long_path = "x" * 700
-    cfg = _config(log_dir, "logger.mlflow_enabled=true", f"data.dataset_name={long_path}")
+    long_text = "{problem}" + "x" * 700
+    cfg = _config(log_dir, "logger.mlflow_enabled=true", f"data.prompt_template={long_text}")
     sinks = build_sinks(log_dir, tensorboard=False, wandb=False, config=cfg)  # mlflow from the config
     tracking_uri = (log_dir / "mlruns").resolve().as_uri()  # the default: a file store in the run dir
     _log(sinks, STEPS)
@@ -168,7 +168,7 @@ def test_mlflow_file_store_holds_params_and_metrics_and_resumes_the_same_run(tmp
     assert client.get_experiment(run.info.experiment_id).name == "rlscale"
     assert run.data.params["grpo.max_num_steps"] == str(cfg.grpo.max_num_steps)
     assert run.data.params["logger.mlflow_enabled"] == "true"
-    assert run.data.params["data.dataset_name"] == long_path[:500]
+    assert run.data.params["data.prompt_template"] == long_text[:500]
     assert all(len(v) <= 500 for v in run.data.params.values())
 
     def history(key):
