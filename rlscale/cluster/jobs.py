@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -288,7 +289,7 @@ def build_submission(working_dir: Path, config: Path | None, overrides: list[str
         reason = _secret_reason(name, value, extra) if sep else None
         if reason:
             raise _refuse_secret("refusing --launcher", reason)
-    load_config(config, overrides)  # a typo fails here, not minutes later on the cluster
+    cfg = load_config(config, overrides)  # a typo fails here, not minutes later on the cluster
     all_excludes = DEFAULT_EXCLUDES + list(excludes or [])
     if rel is not None:
         blocker = _excluded_by(working_dir, rel, all_excludes)
@@ -307,6 +308,9 @@ def build_submission(working_dir: Path, config: Path | None, overrides: list[str
         # same key in the job's env is a conflict for Ray unless told to merge (the driver's value
         # already starts with the job's).
         env_vars.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
+    # Ray's job stop sends SIGTERM to the driver and every process it started, then SIGKILL after
+    # RAY_JOB_STOP_WAIT_TIME_S (3 s by default): give the run its grace to finish the step and save
+    env_vars.setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(math.ceil(cfg.checkpointing.preemption_grace_s) + 15))
     command = [*launcher_words, "train"]
     if rel is not None:
         command += ["--config", rel]

@@ -11,6 +11,7 @@ of its chunk goes back on the queue. No IPC round-trip per sample, exact per-sam
 
 from __future__ import annotations
 
+import atexit
 import math
 import multiprocessing as mp
 import numbers
@@ -59,7 +60,11 @@ def _call(fn, response: str, answer: str) -> tuple[str, float | str]:
 
 
 def _worker_main(conn, spec: str) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # Ctrl-C, and a SIGTERM sent to the whole process group (Ray's job stop, a pod's shutdown),
+    # are the parent's to handle: it finishes the step with every sample scored, then stops the
+    # workers itself (a message, or SIGKILL); a worker killed mid-sample would score it 0.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         fn, broken = load_reward_function(spec), ""
     except Exception as exc:  # validated in the parent, so only an odd environment gets here
@@ -132,6 +137,9 @@ class RewardScorer:
         self._ctx = _context()
         self._workers = [_Worker(self._ctx, function) for _ in range(num_workers)]
         self._closed = False
+        # workers ignore SIGTERM, so multiprocessing's own exit handler (terminate, then join)
+        # would wait for them forever: close them first (atexit runs the later registration first)
+        atexit.register(self.close)
 
     def __enter__(self) -> RewardScorer:
         return self
@@ -143,6 +151,7 @@ class RewardScorer:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         for worker in self._workers:
             worker.stop(kill=bool(worker.queue))
 

@@ -101,3 +101,24 @@ def test_close_is_idempotent_and_final():
     scorer.close()
     with pytest.raises(RuntimeError):
         scorer.score(["a"], ["a"])
+
+
+def test_a_sigterm_to_the_process_group_leaves_every_sample_scored():
+    """Ray's job stop and a pod's shutdown send SIGTERM to every process of the job; the parent
+    decides when to stop (after the step), so a worker must not die mid-sample and score it 0."""
+    import os
+    import signal
+    import threading
+
+    with RewardScorer(USER, timeout_s=5.0, num_workers=2) as scorer:
+        pids = [w.process.pid for w in scorer._workers]
+        responses = [f"nap {i}" for i in range(12)]
+        answers = [r if i % 3 else "x" for i, r in enumerate(responses)]
+        timer = threading.Timer(0.3, lambda: [os.kill(pid, signal.SIGTERM) for pid in pids])
+        timer.start()
+        result = scorer.score(responses, answers)
+        timer.join()
+        assert result.rewards == [float(i % 3 != 0) for i in range(12)]
+        assert (result.num_errors, result.num_timeouts) == (0, 0)
+        assert [w.process.pid for w in scorer._workers] == pids  # the same workers, alive
+    assert all(not w.process.is_alive() for w in scorer._workers)  # close() still stops them

@@ -15,6 +15,9 @@ def exact(response: str, answer: str) -> float:
         raise ValueError("slow boom")
     if response == "die":
         os._exit(3)
+    if response.startswith("nap"):  # e.g. "nap 1": long enough for a signal to land mid-sample
+        time.sleep(0.2)
+        return float(response == answer)
     return float(response == answer)
 
 
