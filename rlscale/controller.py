@@ -206,7 +206,8 @@ def train(cfg: Config) -> dict:
         write_atomic(run_dir / "config.yaml", cfg.to_yaml())
         sinks = build_sinks(run_dir, cfg.logger.tensorboard_enabled, cfg.logger.wandb_enabled,
                             resumed_step=state.step if resumed_from else None,
-                            prometheus_port=cfg.logger.prometheus_port, config=cfg)
+                            prometheus_port=cfg.logger.prometheus_port, config=cfg,
+                            resumed_row=(read_manifest(Path(resumed_from)) or {}).get("metrics") if resumed_from else None)
         cleanup.callback(sinks.close)
         signals = cleanup.enter_context(StopSignals())  # SIGTERM/SIGINT: save, then RunStopped
         run = Run(cfg, group, scorer, checkpointer, sinks, loader, datasets.val, state,

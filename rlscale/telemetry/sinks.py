@@ -17,26 +17,35 @@ class JsonlSink:
     """Appends one JSON object per step to <log_dir>/metrics.jsonl (flushed every line).
 
     A run that resumes from step N first drops the rows after N (steps it will run again), so
-    every step appears once; a fresh run (start_step 0, not resumed) starts an empty file.
+    every step appears once; a fresh run (start_step 0, not resumed) starts an empty file. When
+    step N's own row is missing (a crash between a synchronous save's commit and the row's
+    write), `resumed_row` (the metrics its checkpoint recorded) stands in for it.
     """
 
-    def __init__(self, path: Path, resumed_step: int | None = None):
+    def __init__(self, path: Path, resumed_step: int | None = None, resumed_row: dict | None = None):
         self.path = Path(path)
-        if self.path.exists():
-            kept = []
-            if resumed_step is not None:
-                for line in self.path.read_text(encoding="utf-8").splitlines():
-                    try:
-                        if json.loads(line).get("step", 0) <= resumed_step:
-                            kept.append(line + "\n")
-                    except ValueError:
-                        continue  # a line cut short by a crash
+        kept, steps = [], set()
+        if self.path.exists() and resumed_step is not None:
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    step = json.loads(line).get("step", 0)
+                except (ValueError, AttributeError):
+                    continue  # a line cut short by a crash
+                if step <= resumed_step:
+                    kept.append(line + "\n")
+                    steps.add(step)
+        if resumed_step is not None and resumed_row and resumed_step not in steps:
+            kept.append(json.dumps({"step": resumed_step, **self._clean(resumed_row)}) + "\n")
+        if self.path.exists() or kept:
             write_atomic(self.path, "".join(kept))
         self._file = self.path.open("a", encoding="utf-8")
 
+    @staticmethod
+    def _clean(metrics: dict) -> dict:
+        return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in metrics.items()}
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in metrics.items()}
-        self._file.write(json.dumps({"step": step, **clean}) + "\n")
+        self._file.write(json.dumps({"step": step, **self._clean(metrics)}) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -89,8 +98,10 @@ def _resolved_config(log_dir: Path, config) -> dict[str, Any]:
 
 
 def build_sinks(log_dir: Path, tensorboard: bool, wandb: bool, resumed_step: int | None = None,
-                prometheus_port: int | None = None, *, mlflow: bool | None = None, config=None) -> Sinks:
-    """resumed_step: the step a resumed run continues after (None for a fresh run).
+                prometheus_port: int | None = None, *, mlflow: bool | None = None, config=None,
+                resumed_row: dict | None = None) -> Sinks:
+    """resumed_step: the step a resumed run continues after (None for a fresh run); resumed_row:
+    that step's metrics as its checkpoint recorded them (for metrics.jsonl, if its row is missing).
 
     config: the resolved Config (or its dict); None reads <log_dir>/config.yaml. It supplies the
     logger.wandb / logger.mlflow settings, the params recorded with the run, and, when mlflow is
@@ -120,7 +131,7 @@ def build_sinks(log_dir: Path, tensorboard: bool, wandb: bool, resumed_step: int
             from rlscale.telemetry.prometheus import PrometheusSink
 
             sinks.append(PrometheusSink(prometheus_port))
-        sinks.insert(0, JsonlSink(log_dir / "metrics.jsonl", resumed_step))
+        sinks.insert(0, JsonlSink(log_dir / "metrics.jsonl", resumed_step, resumed_row))
     except BaseException:
         Sinks(sinks).close()  # a sink that fails to open leaves none of the others open
         raise

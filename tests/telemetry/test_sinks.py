@@ -27,6 +27,25 @@ def test_jsonl_resume_keeps_rows_up_to_the_checkpoint_and_nulls_non_finite(tmp_p
                                {"step": 3, "reward/mean": 0.9}]
 
 
+def test_a_resumed_step_whose_row_was_never_written_gets_its_checkpoints_metrics(tmp_path):
+    """A synchronous save commits step 3 before its row is written: a crash in between leaves a
+    checkpoint at step 3 and rows up to 2. The resume writes step 3's row from the manifest."""
+    sinks = build_sinks(tmp_path, tensorboard=False, wandb=False)
+    for step in (1, 2):
+        sinks.log(step, {"reward/mean": step / 4})
+    sinks.close()
+    recorded = {"reward/mean": 0.75, "train/kl": math.inf}
+    sinks = build_sinks(tmp_path, tensorboard=False, wandb=False, resumed_step=3, resumed_row=recorded)
+    sinks.log(4, {"reward/mean": 1.0})
+    sinks.close()
+    assert [row["step"] for row in _rows(tmp_path)] == [1, 2, 3, 4]
+    assert _rows(tmp_path)[2] == {"step": 3, "reward/mean": 0.75, "train/kl": None}
+    # a row that is there is kept as written, never doubled
+    sinks = build_sinks(tmp_path, tensorboard=False, wandb=False, resumed_step=3, resumed_row={"reward/mean": 0.0})
+    sinks.close()
+    assert [row["step"] for row in _rows(tmp_path)] == [1, 2, 3] and _rows(tmp_path)[2]["reward/mean"] == 0.75
+
+
 def test_a_fresh_run_starts_an_empty_metrics_file(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 7}\n')
     sinks = build_sinks(tmp_path, tensorboard=False, wandb=False)
