@@ -18,7 +18,7 @@ import torch
 from rlscale.ckpt import Checkpointer, SaveReport
 from rlscale.ckpt.faults import maybe_fault
 from rlscale.ckpt.layout import read_manifest
-from rlscale.ckpt.resume import ResumeChoice, choose as choose_resume
+from rlscale.ckpt.resume import ResumeChoice, choose as choose_resume, set_aside_newer
 from rlscale.config import Config, derive_sizes
 from rlscale.data import PromptLoader, build_datasets
 from rlscale.errors import UserError
@@ -137,6 +137,7 @@ def resume_or_start(choice: ResumeChoice | None, checkpointer: Checkpointer, gro
         return TrainerState(), None, choice.notes()
     state = TrainerState(**checkpointer.load(choice.path, group))
     loader.load_state_dict(state.loader)
+    set_aside_newer(checkpointer.root, choice)  # only once the chosen step has loaded
     return state, str(choice.path), choice.notes()
 
 
@@ -374,7 +375,10 @@ class Run:
             self.sinks.log(state.step, final)
         newest = self.checkpointer.latest() if ckpt.enabled else None
         kept = f"{newest} is the newest checkpoint" if newest else "no checkpoint is saved"
-        raise RunStopped(f"stopped by {why} after step {state.step}: {kept}{skipped}; run the same command to resume",
+        # resume=never or a step path would not pick up this run's newest step: auto does
+        again = ("run the same command to resume" if self.cfg.checkpointing.resume.lower() == "auto"
+                 else "run it again with checkpointing.resume=auto to resume")
+        raise RunStopped(f"stopped by {why} after step {state.step}: {kept}{skipped}; {again}",
                          code)  # the CLI prints it as its last line
 
 

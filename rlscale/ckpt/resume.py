@@ -6,7 +6,9 @@ auto   the newest committed step that verifies; damaged newer steps are skipped 
 never  a fresh start; refused while the directory holds committed steps, because the new run's
        saves and retention would replace or delete them. Nothing is ever deleted to make room.
 PATH   that step directory, verified; a one-line error naming the path if missing or damaged.
-       Newer steps in checkpoint_dir are named in a note: the run replaces each as it saves that step.
+       Newer steps in checkpoint_dir belong to the timeline the run leaves: once the chosen step
+       has loaded they are renamed abandoned_step_N (kept, never deleted; `set_aside_newer`), so
+       `auto` afterwards continues this run, not the abandoned one.
 
 Verification checks file sizes against the manifest, and checksums too with
 `checkpointing.verify_checksums` (that reads every byte, so a flipped bit is caught as well).
@@ -35,8 +37,26 @@ class ResumeChoice:
             out.append(f"skipped damaged checkpoint(s) ({skipped}); resuming from {target}")
         if self.newer:
             out.append(f"resuming from {target} although the checkpoint dir holds newer steps "
-                       f"({', '.join(self.newer)}); each is replaced when this run saves the same step")
+                       f"({', '.join(self.newer)}): they are set aside as abandoned_step_N (kept; delete them "
+                       "when sure), and checkpointing.resume=auto continues this run from here on")
         return out
+
+
+def set_aside_newer(root: Path, choice: ResumeChoice) -> list[Path]:
+    """Rename the committed steps newer than an explicitly chosen one to abandoned_step_N (a
+    different timeline: resuming `auto` from them later would mix two runs' steps). Never deletes."""
+    moved = []
+    for name in choice.newer:
+        source = Path(root) / name
+        if not source.is_dir():
+            continue
+        target, n = source.with_name(f"abandoned_{name}"), 1
+        while target.exists():
+            n += 1
+            target = source.with_name(f"abandoned_{name}.{n}")
+        source.rename(target)
+        moved.append(target)
+    return moved
 
 
 def choose(root: Path, mode: str, checksums: bool = False) -> ResumeChoice:

@@ -29,3 +29,19 @@ def test_loop_saves_every_step_logs_commits_and_resumes(make_cfg):
     assert abs(rows[-1]["ckpt/retained_GB"] * 1e9 - on_disk) < 0.01 * on_disk  # steps 2 and 3 kept
     state = json.loads((cfg.checkpoint_dir / "step_3" / "trainer_state.json").read_text())
     assert state["step"] == 3 and state["loader"]["consumed"] == 6  # 2 prompts a step, across the resume
+
+
+def test_resuming_an_older_step_sets_the_abandoned_timeline_aside(make_cfg):
+    """resume=<older step> starts a new timeline: the newer steps are renamed (kept), so that a
+    later resume=auto continues this run instead of mixing in the abandoned one's steps."""
+    train(make_cfg(*TINY_RUN, "grpo.max_num_steps=3", "checkpointing.keep_top_k=null"))
+    first = make_cfg(*TINY_RUN, "grpo.max_num_steps=3", "checkpointing.keep_top_k=null")
+    root = first.checkpoint_dir
+    abandoned_weights = (root / "step_3" / "trainer_state.json").read_bytes()
+    again = train(make_cfg(*TINY_RUN, "grpo.max_num_steps=2", "checkpointing.keep_top_k=null",
+                           f"checkpointing.resume={root / 'step_1'}"))
+    assert again["resumed_from"] == str(root / "step_1") and again["steps_run"] == 1
+    assert sorted(p.name for p in root.iterdir()) == ["abandoned_step_2", "abandoned_step_3", "step_1", "step_2"]
+    assert (root / "abandoned_step_3" / "trainer_state.json").read_bytes() == abandoned_weights  # kept as it was
+    resumed = train(make_cfg(*TINY_RUN, "grpo.max_num_steps=3", "checkpointing.keep_top_k=null"))
+    assert resumed["resumed_from"] == str(root / "step_2")  # this run's step 2, not the abandoned step 3

@@ -221,6 +221,7 @@ def test_a_truncated_manifest_is_skipped_by_auto_and_refused_by_path(three_steps
     explicit = choose(root, str(root / "step_1"))
     assert explicit.path == root / "step_1"
     assert "newer steps (step_2, step_3)" in explicit.notes()[0]  # they are not deleted silently
+    assert "set aside as abandoned_step_N" in explicit.notes()[0]
     with pytest.raises(UserError, match=r"checkpointing.resume: '.*step_9' does not exist"):
         choose(root, str(root / "step_9"))
 
