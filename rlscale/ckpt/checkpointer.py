@@ -214,18 +214,18 @@ class Checkpointer:
 
     def load(self, step_dir: Path, group) -> dict:
         """Restore every worker from step_dir and return the controller's trainer state.
-        Sizes are always checked; checksums with checkpointing.verify_checksums (each worker
-        checks the tensor files it reads, here the small ones)."""
+        Sizes are always checked, and the small files' checksums (the trainer state, configs:
+        a few KB); the tensor files' checksums with checkpointing.verify_checksums (each worker
+        checks the ones it reads)."""
         step_dir = Path(step_dir)
         verdict = layout.verify_step_dir(step_dir)
         if not verdict.ok:
             raise UserError(f"checkpoint {str(step_dir)!r} is damaged: {verdict.reason}")
         manifest = layout.read_manifest(step_dir)
         verify = self.settings.verify_checksums
-        if verify:
-            for rel, recorded in manifest.get("checksums", {}).items():
-                if not rel.endswith(".safetensors") and file_checksum(str(step_dir / rel)) != recorded:
-                    raise UserError(f"checkpoint {str(step_dir)!r} is damaged: {rel} does not match its checksum")
+        for rel, recorded in manifest.get("checksums", {}).items():
+            if not rel.endswith(".safetensors") and file_checksum(str(step_dir / rel)) != recorded:
+                raise UserError(f"checkpoint {str(step_dir)!r} is damaged: {rel} does not match its checksum")
         group.run_all("load_checkpoint_shard", [(str(step_dir), manifest, verify)] * group.world_size)
         return json.loads((step_dir / layout.TRAINER_STATE).read_text())
 

@@ -76,6 +76,16 @@ def test_a_flipped_byte_is_caught_by_verify_and_by_a_verifying_load(saved):
         verifying.load(step, make_group(cfg))
 
 
+def test_a_same_size_corruption_of_the_trainer_state_is_caught_without_verify_checksums(saved):
+    cfg, group, ckpt = saved  # verify_checksums is off: the small files are checked all the same
+    state_file = cfg.checkpoint_dir / "step_1" / layout.TRAINER_STATE
+    text = state_file.read_bytes()
+    state_file.write_bytes(b"#" + text[1:])  # same size, not JSON any more
+    assert not cfg.checkpointing.verify_checksums
+    with pytest.raises(UserError, match=f"damaged: {layout.TRAINER_STATE} does not match its checksum"):
+        ckpt.load(cfg.checkpoint_dir / "step_1", group)
+
+
 def test_a_truncated_file_makes_the_step_untrusted(saved):
     cfg, group, ckpt = saved
     step = cfg.checkpoint_dir / "step_1"
