@@ -10,6 +10,7 @@ through `secretKeyRef`, so they stay out of manifests, runtime envs and the Ray 
 from __future__ import annotations
 
 import copy
+import os
 import shlex
 from pathlib import Path
 from typing import Any, Optional
@@ -256,16 +257,29 @@ def render(spec: ClusterSpec) -> dict[str, str]:
 
 
 def render_to_dir(spec: ClusterSpec, out: Path) -> list[Path]:
+    """Write the manifests into `out`: every file under a temporary name first, then renamed, so
+    a failure (a full disk) leaves the previous render whole; a file an earlier render wrote that
+    this spec no longer produces (podmonitoring.yaml once monitoring is off) is removed, so
+    `kubectl apply -f` on the directory applies this render only. Other files are left alone."""
     out = Path(out)
+    files = render(spec)
+    staged = {name: out / f".{name}.tmp" for name in files}
     try:
         out.mkdir(parents=True, exist_ok=True)
-        written = []
-        for name, text in render(spec).items():
-            (out / name).write_text(text)
-            written.append(out / name)
+        for name, text in files.items():
+            staged[name].write_text(text, encoding="utf-8")
+        for name in files:
+            os.replace(staged[name], out / name)
+        for name in set(FILES) - set(files):
+            (out / name).unlink(missing_ok=True)
     except OSError as exc:
+        for tmp in staged.values():
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
         raise UserError(f"cannot write to {str(out)!r}: {exc.strerror}") from None
-    return written
+    return [out / name for name in files]
 
 
 def render_command(config: Path | None, out: Path) -> list[Path]:

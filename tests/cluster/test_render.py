@@ -299,6 +299,34 @@ def test_bad_files(tmp_path):
         render_to_dir(ClusterSpec(), tmp_path / "file" / "out")
 
 
+def test_a_render_replaces_the_last_one_whole(tmp_path, monkeypatch):
+    out = tmp_path / "manifests"
+    (out).mkdir()
+    (out / "my-notes.txt").write_text("mine")
+    render_to_dir(ClusterSpec(), out)
+    assert (out / "podmonitoring.yaml").exists()
+    before = {name: (out / name).read_text() for name in FILES}
+    # a full disk mid-render: the previous render stays whole, no temporary file is left
+    real_write, writes = Path.write_text, []
+
+    def write_then_fail(self, *args, **kwargs):
+        if writes:
+            raise OSError(28, "No space left on device")
+        writes.append(self)
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_then_fail)
+    with pytest.raises(UserError, match="cannot write to .*: No space left on device"):
+        render_to_dir(ClusterSpec(name="other"), out)
+    monkeypatch.undo()
+    assert {name: (out / name).read_text() for name in FILES} == before
+    assert sorted(p.name for p in out.iterdir()) == sorted([*FILES, "my-notes.txt"])
+    # monitoring off: the old podmonitoring.yaml goes, so `kubectl apply -f DIR` applies this render only
+    spec = ClusterSpec.model_validate({"monitoring": {"enabled": False}})
+    render_to_dir(spec, out)
+    assert not (out / "podmonitoring.yaml").exists() and (out / "my-notes.txt").read_text() == "mine"
+
+
 def test_render_app_cli(tmp_path):
     from typer.testing import CliRunner
 
