@@ -12,24 +12,28 @@ BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "assets"
 
 
-def resolve_model_path(name: str) -> str:
+def resolve_model_path(name: str, key: str = "policy.model_name") -> str:
     """builtin:NAME -> the shipped directory; anything else is passed to transformers as is
-    (a local directory, or a hub id resolved through HF_HOME)."""
+    (a local directory, or a hub id resolved through HF_HOME). `key` names the setting in errors."""
     if name.startswith(BUILTIN_PREFIX):
         path = BUILTIN_DIR / name[len(BUILTIN_PREFIX):]
         if not (path / "config.json").is_file():
             known = sorted(p.name for p in BUILTIN_DIR.iterdir() if p.is_dir()) if BUILTIN_DIR.is_dir() else []
-            raise UserError(f"policy.model_name: no built-in model {name!r} (built-ins: {', '.join(known) or 'none'})")
+            raise UserError(f"{key}: no built-in model {name!r} (built-ins: {', '.join(known) or 'none'})")
         return str(path)
     local = Path(name).expanduser()
     if local.exists():
-        if not (local / "config.json").is_file():
-            raise UserError(f"policy.model_name: {name!r} is not a model directory (no config.json)")
+        # a tokenizer may live in a directory of its own, without the model's config.json
+        markers = ("config.json",) if key != "policy.tokenizer_name" else (
+            "tokenizer.json", "tokenizer_config.json", "config.json")
+        if not any((local / marker).is_file() for marker in markers):
+            kind = "tokenizer" if key == "policy.tokenizer_name" else "model"
+            raise UserError(f"{key}: {name!r} is not a {kind} directory (no {' or '.join(markers)})")
         return str(local)
     if local.is_absolute() or name.startswith((".", "~")):
         # A hub id never looks like this; without the check transformers would report
         # "Repo id must be in the form 'namespace/repo_name'" for a mistyped local path.
-        raise UserError(f"policy.model_name: {name!r} does not exist")
+        raise UserError(f"{key}: {name!r} does not exist")
     return name
 
 
@@ -55,11 +59,11 @@ def quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False):
+def load_tokenizer(name: str, trust_remote_code: bool = False, key: str = "policy.model_name"):
     from transformers import AutoTokenizer
 
     quiet_transformers()
-    path = resolve_model_path(name)
+    path = resolve_model_path(name, key)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises many types for a bad id or path

@@ -61,7 +61,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
             if self.device.type == "cuda":
                 torch.cuda.set_device(distributed.local_gpu_index())
             distributed.init_process_group(rank, world_size, self.device, cfg.cluster.collective_timeout_s)
-        self.tokenizer = load_tokenizer(policy.tokenizer_name or policy.model_name, policy.trust_remote_code)
+        self.tokenizer = load_tokenizer(policy.tokenizer_name or policy.model_name, policy.trust_remote_code,
+                                        "policy.tokenizer_name" if policy.tokenizer_name else "policy.model_name")
         self.renderer = PromptRenderer(
             self.tokenizer, policy.prompt_format,
             max_prompt_tokens=policy.max_total_sequence_length - policy.generation.max_new_tokens)
