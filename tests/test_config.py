@@ -287,3 +287,12 @@ def test_a_held_out_ranking_metric_without_validated_saves_gets_a_note():
     assert config_notes(load_config(None, ["checkpointing.metric_name=reward/mean"])) == []  # every save has it
     (note,) = config_notes(load_config(None, ["checkpointing.metric_name=val/acc"]))  # a typo
     assert "val/acc is not a metric a checkpoint records" in note and "val/accuracy" in note
+
+
+def test_a_huge_key_or_value_is_shortened_in_the_error():
+    for override in ("grpo." + "k" * 3000 + "=1", "grpo.max_num_steps=" + "x" * 3000):
+        with pytest.raises(UserError) as caught:
+            load_config(None, [override])
+        text = str(caught.value)
+        assert len(text) < 300, text
+        assert "(3005 characters)" in text if "k" * 10 in text else "(3002 characters)" in text
