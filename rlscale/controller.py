@@ -197,6 +197,7 @@ def train(cfg: Config) -> dict:
         checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
         if cfg.checkpointing.enabled:
             checkpointer.prepare()
+            cleanup.callback(checkpointer.release)  # also when the model fails to load
         group = make_worker_group(cfg)
         cleanup.callback(group.shutdown)
         state, resumed_from, notes = resume_or_start(choice, checkpointer, group, loader)

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlscale.ckpt import layout
+from rlscale.ckpt import claim, layout
 from rlscale.ckpt.faults import maybe_fault
 from rlscale.ckpt.retention import steps_to_delete
 from rlscale.ckpt.tensorfile import file_checksum, write_file
@@ -76,14 +76,23 @@ class Checkpointer:
         self.config_digest = config_digest
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._claim: str | None = None  # this run's claim on the directory (prepare)
         self._done: list[SaveReport] = []
         self._error: tuple[int, BaseException] | None = None
 
     def prepare(self) -> None:
-        """Check the directory is writable and remove saves a crash left half-written."""
+        """Check the directory is writable, claim it for this run (rlscale/ckpt/claim.py: a second
+        run would delete this one's saves in flight as a crash's leftovers) and remove saves a
+        crash left half-written. `release` (or `close`) ends the claim."""
         ensure_writable_dir(self.root, "checkpointing.checkpoint_dir")
+        if self._claim is None:
+            self._claim = claim.claim(self.root)
         for stale in layout.stale_tmp_dirs(self.root):  # also steps retention had begun to delete
             shutil.rmtree(stale, ignore_errors=True)
+
+    def release(self) -> None:
+        token, self._claim = self._claim, None
+        claim.release(token)
 
     def latest(self) -> Path | None:
         return layout.latest_intact(self.root)
@@ -208,7 +217,10 @@ class Checkpointer:
         return self.poll()
 
     def close(self) -> list[SaveReport]:
-        return self.wait()
+        try:
+            return self.wait()
+        finally:
+            self.release()
 
     # ------------------------------------------------------------------ loading
 

@@ -93,3 +93,10 @@ def assert_same_state(a, b):
     assert a["meta"] == b["meta"]
     assert torch.equal(a["torch_rng"], b["torch_rng"])
     assert a["py_rng"] == b["py_rng"]
+
+
+def entries(root) -> list[str]:
+    """What a checkpoint dir holds, less the lock file of the run that holds it (rlscale/ckpt/claim.py)."""
+    from rlscale.ckpt.claim import LOCK_NAME
+
+    return sorted(p.name for p in root.iterdir() if p.name != LOCK_NAME)

@@ -7,7 +7,7 @@ import pytest
 
 from rlscale.ckpt import Checkpointer, layout, tensorfile
 from rlscale.errors import UserError
-from tests.ckpt.conftest import checkpointer_for, make_group, train_steps
+from tests.ckpt.conftest import checkpointer_for, entries, make_group, train_steps
 
 
 @pytest.fixture
@@ -36,14 +36,14 @@ def test_a_write_error_mid_save_keeps_older_steps_and_commits_nothing(saved, mon
     ckpt.save(2, group, {"step": 2}, {})  # the failure happens in the background...
     with pytest.raises(UserError, match="step 2 failed: No space left on device"):
         ckpt.wait()  # ...and is reported here (or at the next poll / save)
-    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["step_1"]
+    assert entries(cfg.checkpoint_dir) == ["step_1"]
     assert ckpt.latest() == cfg.checkpoint_dir / "step_1"
     assert layout.verify_step_dir(ckpt.latest(), checksums=True).ok  # keep_top_k=1 deleted nothing
 
     monkeypatch.setattr(tensorfile, "write_file", real_write)
     ckpt.save(3, group, {"step": 3}, {})  # the engine recovers: next save works, retention runs
     ckpt.wait()
-    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["step_3"]
+    assert entries(cfg.checkpoint_dir) == ["step_3"]
 
 
 def test_a_crash_mid_save_leaves_a_tmp_dir_that_is_never_trusted(saved):
@@ -120,7 +120,7 @@ def test_the_loop_waits_only_for_the_snapshot_and_one_save_is_in_flight(saved, m
     assert second.wait_s >= 0.2 and second.stall_s >= second.wait_s
     done = ckpt.wait()
     assert [r.step for r in done] == [2, 3] and all(r.committed for r in done)
-    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["step_3"]
+    assert entries(cfg.checkpoint_dir) == ["step_3"]
 
 
 def test_synchronous_saves_return_committed(make_cfg):
@@ -131,3 +131,33 @@ def test_synchronous_saves_return_committed(make_cfg):
     assert report.committed and (cfg.checkpoint_dir / "step_1" / "manifest.json").exists()
     assert set(report.metrics()) >= {"ckpt/bytes", "ckpt/stall_s", "ckpt/persist_s", "ckpt/GBps", "ckpt/free_GB"}
     assert ckpt.poll() == []
+
+
+def test_one_run_at_a_time_per_checkpoint_dir(make_cfg, tmp_path):
+    """A second run on a directory in use would delete the first one's save in flight (as a
+    crash's leftover): it is refused, by another process; the lock file goes with the claim."""
+    import subprocess
+    import sys
+
+    from rlscale.ckpt.claim import LOCK_NAME
+
+    cfg = make_cfg()
+    first = checkpointer_for(cfg)
+    lock = cfg.checkpoint_dir / LOCK_NAME
+    assert lock.read_text().startswith(f"pid {__import__('os').getpid()} ")
+    (cfg.checkpoint_dir / "tmp_step_7").mkdir()  # as if the first run were saving step 7
+    second = subprocess.run(
+        [sys.executable, "-c", "import sys; from rlscale.ckpt.claim import claim; from rlscale.errors import UserError\n"
+         "try:\n    claim(sys.argv[1])\nexcept UserError as e:\n    print(e); sys.exit(2)", str(cfg.checkpoint_dir)],
+        capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2, second.stderr
+    assert "is in use by another run (pid" in second.stdout and "its own" in second.stdout
+    assert (cfg.checkpoint_dir / "tmp_step_7").is_dir()  # the refused run removed nothing
+    also_here = checkpointer_for(cfg)  # the same process shares its claim
+    also_here.close()
+    assert lock.exists()
+    first.close()
+    assert not lock.exists()  # the last holder's close ends the claim
+    third = checkpointer_for(cfg)  # and the directory is free again
+    assert lock.exists()
+    third.close()

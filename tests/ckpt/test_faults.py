@@ -31,7 +31,7 @@ from rlscale.ckpt.faults import ENV
 from rlscale.ckpt.resume import choose
 from rlscale.errors import UserError
 from rlscale.workers.state_io import model_tensors
-from tests.ckpt.conftest import checkpointer_for, make_group, train_steps
+from tests.ckpt.conftest import checkpointer_for, entries, make_group, train_steps
 
 SAVES = 4
 WRITER_FILES_PER_SAVE = 11  # the worker's files of one save (tiny model, writers_per_rank=2)
@@ -175,7 +175,7 @@ def test_a_full_disk_while_writing_the_manifest_commits_nothing(make_cfg, monkey
     ckpt.save(2, group, {"step": 2}, {})
     with pytest.raises(UserError, match="step 2 failed: No space left on device"):
         ckpt.wait()
-    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["step_1"]
+    assert entries(cfg.checkpoint_dir) == ["step_1"]
     assert choose(cfg.checkpoint_dir, "auto").path == cfg.checkpoint_dir / "step_1"
 
 
@@ -235,7 +235,7 @@ def test_never_refuses_to_start_over_committed_steps_and_auto_refuses_when_all_a
         (root / f"step_{step}" / layout.MANIFEST).unlink()
     with pytest.raises(UserError, match="no intact checkpoint in .*step_3 is damaged"):
         choose(root, "auto")
-    assert sorted(p.name for p in root.iterdir()) == ["step_1", "step_2", "step_3"]  # nothing deleted
+    assert entries(root) == ["step_1", "step_2", "step_3"]  # nothing deleted
 
 
 def test_a_step_dir_removed_during_retention(make_cfg):
@@ -253,4 +253,4 @@ def test_a_step_dir_removed_during_retention(make_cfg):
     (cfg.checkpoint_dir / "dropped_step_1" / "policy").mkdir(parents=True)  # what a crash mid-delete leaves
     assert layout.latest_intact(cfg.checkpoint_dir) == cfg.checkpoint_dir / "step_2"
     checkpointer_for(cfg)
-    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["step_2"]
+    assert entries(cfg.checkpoint_dir) == ["step_2"]

@@ -1,0 +1,74 @@
+"""One run per checkpoint directory.
+
+A run's start removes the half-written saves a crash left (tmp_step_N): a second run started on
+the same directory while the first is still saving would delete the first one's save in flight,
+and the two would then overwrite each other's steps and metrics. So a run claims the directory
+with an exclusive `flock` on <checkpoint_dir>/.rlscale.lock for as long as it runs, and a second
+run is refused with one line. The lock file is removed when the claim ends, so a finished or
+failed run leaves nothing behind; after a crash the OS drops the lock and the next run takes over.
+
+A file system without flock (a Lustre client mounted without `-o flock`) gets no claim rather
+than a refusal. Claims are per process: a process that claims a directory it already holds
+shares that claim (counted), as two Checkpointers of one process may.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+from rlscale.errors import UserError
+
+LOCK_NAME = ".rlscale.lock"
+_HELD: dict[str, list] = {}  # resolved lock path -> [open file, holders]
+
+
+def claim(root: Path) -> str | None:
+    """Claim `root` for this process; returns a token for `release` (None: no locking here)."""
+    path = str((Path(root) / LOCK_NAME).resolve())
+    if path in _HELD:
+        _HELD[path][1] += 1
+        return path
+    while True:
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            handle.seek(0)
+            holder = handle.read().strip()
+            handle.close()
+            if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                raise UserError(f"checkpointing.checkpoint_dir {str(root)!r} is in use by another run"
+                                f"{f' ({holder})' if holder else ''}; stop that run, or give this one its own "
+                                "logger.log_dir (or checkpointing.checkpoint_dir)") from None
+            return None  # ENOLCK, EOPNOTSUPP, ENOSYS: no locking on this file system
+        try:  # the holder before us may have removed the file between our open and our lock
+            same = os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        handle.close()
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+    handle.flush()
+    _HELD[path] = [handle, 1]
+    return path
+
+
+def release(token: str | None) -> None:
+    """End a claim (idempotent per claim): the last holder removes the lock file, then unlocks."""
+    if token is None or token not in _HELD:
+        return
+    _HELD[token][1] -= 1
+    if _HELD[token][1] > 0:
+        return
+    handle, _ = _HELD.pop(token)
+    try:
+        os.unlink(token)  # while still locked: a waiting run then finds a new file (see claim)
+    except OSError:
+        pass
+    handle.close()
