@@ -305,6 +305,10 @@ class Config(_Section):
     @model_validator(mode="after")
     def _check_sizes(self) -> Config:
         derive_sizes(self)  # raises ValueError on impossible combinations
+        ckpt = self.checkpointing
+        if not ckpt.enabled and ckpt.resume not in ("auto", "never"):
+            raise ValueError(f"checkpointing.resume={ckpt.resume} needs checkpointing.enabled=true "
+                             "(with checkpointing off nothing is loaded: the run would start fresh)")
         return self
 
     @property
@@ -462,15 +466,40 @@ def _is_text_key(dotted: str) -> bool:
     return field is not None and field.annotation in (str, str | None)
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key, line: int):
+        super().__init__(key)
+        self.key, self.line = key, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a mapping that names a key twice (two `grpo:` sections
+    would otherwise merge as "the last one wins", dropping the first's settings unseen)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden on purpose
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str) and key in seen:
+                raise _DuplicateKey(key, key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml_mapping(path: str | Path, what: str, of: str = "keys") -> dict[str, Any]:
     """A YAML file that must hold a mapping (empty file: {}); one-line UserError naming the file."""
     path = Path(path)
     try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except OSError as exc:
         raise UserError(f"cannot read {what} {str(path)!r}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
         raise UserError(f"{what} {str(path)!r} is not UTF-8 text (byte {exc.start})") from None
+    except _DuplicateKey as exc:
+        raise UserError(f"{what} {str(path)!r}: key {exc.key!r} appears twice in one mapping (line {exc.line}); "
+                        "YAML would keep the last silently") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

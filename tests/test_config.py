@@ -8,7 +8,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from rlscale.config import Config, derive_sizes, iter_reference, load_config, parse_override
+from rlscale.config import Config, derive_sizes, iter_reference, load_config, parse_override, read_yaml_mapping
 from rlscale.errors import UserError, validation_message
 from tests.integration.helpers import SEED_OVERRIDES
 
@@ -109,6 +109,8 @@ def test_parse_override_splits_at_the_first_equals_sign():
     (["policy.optimizer.lr=.inf"], "config key 'policy.optimizer.lr': input should be a finite number (got inf)"),
     (["policy.optimizer.betas=[0.9,5]"], "config key 'policy.optimizer.betas.1': input should be less than 1 (got 5)"),
     (["logger.log_dir="], "config key 'logger.log_dir': string should have at least 1 character (got '')"),
+    (["checkpointing.enabled=false", "checkpointing.resume=/ckpt/step_8"],
+     "config: checkpointing.resume=/ckpt/step_8 needs checkpointing.enabled=true"),
     (TWO_STEPS + ["policy.train_global_batch_size=100"],
      "config: policy.train_global_batch_size=100 must divide grpo.num_prompts_per_step × grpo.num_generations_per_prompt = 256"),
 ])
@@ -129,6 +131,11 @@ def test_bad_files_are_user_errors(tmp_path):
         load_config(tmp_path / "list.yaml")
     with pytest.raises(UserError, match=r"cannot read config file '.*absent.yaml': No such file or directory"):
         load_config(tmp_path / "absent.yaml")
+    (tmp_path / "twice.yaml").write_text("grpo:\n  seed: 1\npolicy:\n  dtype: auto\ngrpo:\n  max_num_steps: 3\n")
+    with pytest.raises(UserError, match=r"config file '.*twice.yaml': key 'grpo' appears twice in one mapping \(line 5\)"):
+        load_config(tmp_path / "twice.yaml")
+    (tmp_path / "merge.yaml").write_text("base: &b {seed: 1}\ngrpo:\n  <<: *b\n  seed: 2\n")  # a merge may override
+    assert read_yaml_mapping(tmp_path / "merge.yaml", "file")["grpo"] == {"seed": 2}
     (tmp_path / "utf16.yaml").write_bytes(b"\xff\xfeg\x00")
     with pytest.raises(UserError, match=r"config file '.*utf16.yaml' is not UTF-8 text \(byte 0\)"):
         load_config(tmp_path / "utf16.yaml")
