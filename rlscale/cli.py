@@ -232,6 +232,7 @@ def bench_ckpt(
     """Checkpoint save/load: torch.save, DCP save/async_save and rlscale on one state and directory."""
     from rlscale.bench.ckpt import run_benchmark
 
+    check_device(device)
     run_benchmark(directory, json_file, size_gb, model, device, writers, grpo_steps, grpo_set, echo=typer.echo)
 
 
@@ -268,6 +269,8 @@ def bench_scale(
 
     if model not in QWEN2_SHAPES:
         raise UserError(f"--model {model!r}: choose one of {', '.join(QWEN2_SHAPES)}")
+    if any(count < 1 for count in workers):
+        raise UserError(f"--workers {min(workers)}: a run needs at least one worker")
     check_profile_step(profile_step, steps)
     out = run_benchmark(model, workers, prompts_per_worker, generations, new_tokens, steps, json_file, override or [],
                         profile_step)
@@ -329,6 +332,11 @@ def bench_step(
                                           profile_step=profile_step, rlscale_set=rlscale_set or [])))
 
 
+def check_device(device: str) -> None:
+    if device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device {device!r}: choose auto, cpu or cuda")
+
+
 def check_profile_step(profile_step: int | None, steps: int) -> None:
     if profile_step is not None and (profile_step > steps or steps < 3):
         raise UserError(f"--profile-step {profile_step} with --steps {steps}: the runs need at least "
@@ -366,6 +374,7 @@ def bench_train(
     for name in model:
         if name not in QWEN2_SHAPES:
             raise UserError(f"--model {name!r}: choose from {', '.join(QWEN2_SHAPES)}")
+    check_device(device)
     variants = variant or list(DEFAULT_VARIANTS)
     for name in variants:
         if name not in VARIANTS:

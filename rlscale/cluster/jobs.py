@@ -321,6 +321,9 @@ def build_submission(working_dir: Path, config: Path | None, overrides: list[str
         "metadata": {"submitted_by": "rlscale job submit", "config": rel or ""},
     }
     for number, entry in enumerate(pip or [], start=1):  # a URL can carry credentials (https://user:token@...)
+        if not entry.strip() or entry.lstrip().startswith("-"):
+            raise UserError(f"--pip entry {number} is {'empty' if not entry.strip() else 'an option'}: "
+                            "give a package (a name, a wheel path or a URL)")
         reason = _secret_reason("--pip", entry, extra)
         if reason is None and "://" in entry and urlsplit(entry.split("+", 1)[-1]).password:
             reason = "its URL carries a password"

@@ -494,3 +494,6 @@ def test_pip_packages_travel_in_the_runtime_env_and_never_a_secret(tmp_path, mon
         with pytest.raises(UserError, match=f"refusing --pip entry 2: .*{reason}") as refused:
             build_submission(tmp_path / "wd", None, [], {}, "", "", pip=[wheel, entry])
         assert "s3cret" not in str(refused.value) and HF_SENTINEL not in str(refused.value)
+    for entry, what in (("", "empty"), ("  ", "empty"), ("--index-url=https://x", "an option")):
+        with pytest.raises(UserError, match=f"--pip entry 2 is {what}"):
+            build_submission(tmp_path / "wd", None, [], {}, "", "", pip=[wheel, entry])
