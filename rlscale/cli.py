@@ -328,8 +328,11 @@ def bench_step(
     if only not in (None, "rlscale", "trl"):
         raise UserError(f"--only {only!r}: choose rlscale or trl")
     check_profile_step(profile_step, steps)
-    typer.echo(format_table(run_benchmark(model, steps, json_file, only, trl_set or [], echo=typer.echo,
-                                          profile_step=profile_step, rlscale_set=rlscale_set or [])))
+    out = run_benchmark(model, steps, json_file, only, trl_set or [], echo=typer.echo,
+                        profile_step=profile_step, rlscale_set=rlscale_set or [])
+    typer.echo(format_table(out))
+    if any((out[half] or {}).get("status") != "ok" for half in ("rlscale", "trl") if only in (None, half)):
+        raise typer.Exit(1)  # a half that failed or could not run (TRL not installed): no comparison
 
 
 def check_device(device: str) -> None:
