@@ -64,7 +64,7 @@ def test_bench_step_passes_set_to_the_rlscale_half(tmp_path):
     out = tmp_path / "step.json"
     result = CliRunner().invoke(app, ["bench", "step", "--model", "tiny", "--steps", "2", "--only", "rlscale",
                                       "--set", "policy.no_such_key=1", "--json", str(out)])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # the half it ran failed
     data = json.loads(out.read_text())
     assert data["settings"]["rlscale_set"] == ["policy.no_such_key=1"]
     assert data["rlscale"]["status"] == "failed" and "no_such_key" in data["rlscale"]["error"]
