@@ -141,6 +141,14 @@ def resume_or_start(choice: ResumeChoice | None, checkpointer: Checkpointer, gro
     return state, str(choice.path), choice.notes()
 
 
+def _remove_if_empty(directories: list[Path]) -> None:
+    for directory in directories:  # children first
+        try:
+            directory.rmdir()  # only ever removes an empty directory
+        except OSError:
+            pass
+
+
 def finished_summary(cfg: Config, choice: ResumeChoice | None) -> dict | None:
     """The summary of a run that already ended at the checkpoint it would resume from: that step
     reaches grpo.max_num_steps and the run's summary.json was written for it. None when work is
@@ -193,6 +201,10 @@ def train(cfg: Config) -> dict:
     loader = PromptLoader(datasets.train, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
     with ExitStack() as cleanup:
         scorer = cleanup.enter_context(make_scorer(cfg))
+        # directories this run creates are removed again if it ends before putting a file in them
+        # (the model failed to load, say); the last callback to run, so after the lock file goes
+        new_dirs = [d for d in (cfg.checkpoint_dir, Path(cfg.logger.log_dir)) if not d.exists()]
+        cleanup.callback(_remove_if_empty, new_dirs)
         run_dir = prepare_run_dir(cfg)
         checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
         if cfg.checkpointing.enabled:

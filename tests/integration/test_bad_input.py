@@ -98,26 +98,24 @@ def _jsonl_missing_file(tmp, model):
 
 
 def _model_path_missing(tmp, model):
-    return [f"policy.model_name={tmp / 'no_such_model'}"], ["policy.model_name", "no_such_model", "does not exist"], \
-        {"config.yaml", "checkpoints"}
+    return [f"policy.model_name={tmp / 'no_such_model'}"], ["policy.model_name", "no_such_model", "does not exist"], None
 
 
 def _model_dir_without_config(tmp, model):
     (tmp / "empty_model").mkdir()
-    return [f"policy.model_name={tmp / 'empty_model'}"], ["empty_model", "config.json"], {"config.yaml", "checkpoints"}
+    return [f"policy.model_name={tmp / 'empty_model'}"], ["empty_model", "config.json"], None
 
 
 def _model_weights_corrupt(tmp, model):
     shutil.copytree(model, tmp / "corrupt_model")
     (tmp / "corrupt_model" / "model.safetensors").write_bytes(b"\x00 not safetensors " * 10)
-    return [f"policy.model_name={tmp / 'corrupt_model'}"], ["cannot load model", "corrupt_model"], \
-        {"config.yaml", "checkpoints"}
+    return [f"policy.model_name={tmp / 'corrupt_model'}"], ["cannot load model", "corrupt_model"], None
 
 
 def _checkpoint_dir_under_a_file(tmp, model):
     (tmp / "a_file").write_text("not a directory\n")
     return ([f"checkpointing.checkpoint_dir={tmp / 'a_file' / 'ckpt'}"],
-            ["checkpointing.checkpoint_dir", "a_file", "not writable"], {"config.yaml"})
+            ["checkpointing.checkpoint_dir", "a_file", "not writable"], None)
 
 
 def _log_dir_under_a_file(tmp, model):
