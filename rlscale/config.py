@@ -23,7 +23,7 @@ from rlscale.errors import UserError, validation_message
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -38,7 +38,7 @@ class _Section(BaseModel):
 
 
 class GenerationConfig(_Section):
-    temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0 = greedy)")
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False, description="sampling temperature (0 = greedy)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
     top_k: int | None = Field(None, ge=1, description="keep only the k most likely tokens")
     max_new_tokens: int = Field(16, ge=1, description="longest response, in tokens")
@@ -58,11 +58,11 @@ class GenerationConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    lr: float = Field(2e-4, gt=0.0, description="AdamW peak learning rate")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    lr: float = Field(2e-4, gt=0.0, allow_inf_nan=False, description="AdamW peak learning rate")
+    weight_decay: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="AdamW weight decay")
     betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
         (0.9, 0.999), description="AdamW betas, each in [0, 1)")
-    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
+    eps: float = Field(1e-8, gt=0.0, allow_inf_nan=False, description="AdamW epsilon")
 
 
 class SchedulerConfig(_Section):
@@ -134,15 +134,15 @@ class GRPOConfig(_Section):
     val_at_start: bool = Field(True, description="validate before the first step")
     val_at_end: bool = Field(True, description="validate after the last step")
     max_val_samples: int = Field(256, ge=1, description="held-out problems per validation")
-    val_temperature: float = Field(0.0, ge=0.0, description="validation sampling temperature (0 = greedy)")
-    seed: int = Field(42, ge=0, le=2**32 - 1, description="seeds data order, sampling and initialisation")
+    val_temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="validation sampling temperature (0 = greedy)")
+    seed: int = Field(42, ge=-(2**62), le=2**62, description="seeds data order, sampling and initialisation")
 
 
 class ArithmeticConfig(_Section):
     max_operand: int = Field(99, ge=1, description="operands are drawn from 0..max_operand")
     operations: str = Field("+", pattern=r"^[+\-*]+$", description="operators to draw from")
     num_val_problems: int = Field(256, ge=1, description="held-out problems, never used for training")
-    seed: int = Field(1234, ge=0, le=2**32 - 1,
+    seed: int = Field(1234, ge=-(2**62), le=2**62,
                       description="seeds the problem stream and the held-out set (fixed across runs)")
 
 
@@ -166,7 +166,7 @@ class DataConfig(_Section):
 
 class RewardsConfig(_Section):
     function: str = Field("math", description="'math' (math-verify on \\boxed{}) or 'module:function'")
-    timeout_s: float = Field(5.0, gt=0.0, description="per-sample time limit for scoring")
+    timeout_s: float = Field(5.0, gt=0.0, allow_inf_nan=False, description="per-sample time limit for scoring")
     num_workers: int = Field(2, ge=1, description="scoring processes (per Ray actor when ray_actors > 0)")
     ray_actors: int = Field(0, ge=0, description="score in this many Ray actors across the cluster; "
                             "0 = a process pool beside the controller")
@@ -182,8 +182,8 @@ class ClusterConfig(_Section):
     use_gpus: bool | None = Field(
         None, description="one GPU per worker; null = when the Ray cluster has GPUs and policy.device allows")
     cpus_per_worker: int = Field(1, ge=1, description="CPUs reserved per worker")
-    placement_timeout_s: float = Field(300.0, gt=0, description="wait this long for the workers' resources")
-    collective_timeout_s: float = Field(600.0, gt=0, description="torch.distributed collective timeout")
+    placement_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False, description="wait this long for the workers' resources")
+    collective_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False, description="torch.distributed collective timeout")
 
 
 class CheckpointingConfig(_Section):
@@ -198,7 +198,7 @@ class CheckpointingConfig(_Section):
         "and said so); never = start fresh (refused while checkpoint_dir holds committed steps: nothing is "
         "deleted); a step_N path = resume from that step (verified). YAML true/false = auto/never")
     preemption_grace_s: float = Field(
-        30.0, gt=0.0, description="on SIGTERM/SIGINT: take an emergency save only if the last save's durable "
+        30.0, gt=0.0, allow_inf_nan=False, description="on SIGTERM/SIGINT: take an emergency save only if the last save's durable "
         "time fits in this many seconds since the signal (GKE spot gives about 30)")
     checkpoint_must_save_by: str | None = Field(
         None, description="wall-clock budget from the start, DD:HH:MM:SS (as in NeMo-RL): save and exit "

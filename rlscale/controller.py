@@ -101,7 +101,7 @@ def train_on_rollouts(cfg: Config, group, rollouts: Rollouts, advantages: list[f
                       pad_id: int) -> dict[str, float]:
     """Shuffle samples, cut them into optimizer steps, shard each step over the workers."""
     sizes = derive_sizes(cfg)
-    order = torch.randperm(len(advantages), generator=torch.Generator().manual_seed(cfg.grpo.seed * 100_003 + step))
+    order = torch.randperm(len(advantages), generator=torch.Generator().manual_seed((cfg.grpo.seed * 100_003 + step) % 2**63))
     order = order.tolist()
     gbs = cfg.policy.train_global_batch_size
     per_worker: list[list] = [[] for _ in range(group.world_size)]

@@ -28,7 +28,7 @@ def _get(cfg: Config, dotted: str):
 
 @pytest.mark.parametrize("override, expected", [
     ("grpo.max_num_steps=20", 20),
-    ("grpo.seed=3", 3),
+    ("grpo.seed=-3", -3),
     ("policy.optimizer.lr=1e-6", 1e-6),  # YAML 1.1 reads 1e-6 as text; the float field converts it
     ("policy.optimizer.lr=3.0e-6", 3e-6),
     ("policy.optimizer.lr=0.5", 0.5),
@@ -105,7 +105,7 @@ def test_parse_override_splits_at_the_first_equals_sign():
      "(got 'sometimes')"),
     (["logger.mlflow.experimnt=x"], "unknown config key 'logger.mlflow.experimnt'"),
     (["grpo.seed=99999999999999999999999"],
-     "config key 'grpo.seed': input should be less than or equal to 4294967295 (got 99999999999999999999999)"),
+     "config key 'grpo.seed': input should be less than or equal to 4611686018427387904 (got 99999999999999999999999)"),
     (["policy.optimizer.lr=.inf"], "config key 'policy.optimizer.lr': input should be a finite number (got inf)"),
     (["policy.optimizer.betas=[0.9,5]"], "config key 'policy.optimizer.betas.1': input should be less than 1 (got 5)"),
     (["logger.log_dir="], "config key 'logger.log_dir': string should have at least 1 character (got '')"),

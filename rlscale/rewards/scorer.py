@@ -11,13 +11,14 @@ of its chunk goes back on the queue. No IPC round-trip per sample, exact per-sam
 
 from __future__ import annotations
 
-import atexit
 import math
 import multiprocessing as mp
 import numbers
+import os
 import reprlib
 import signal
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -90,8 +91,15 @@ def _context():
     # (and replacements after a kill) from a clean process with math-verify already imported,
     # so a replacement is up in milliseconds rather than the ~1 s of a spawn + imports.
     if "forkserver" in mp.get_all_start_methods():
+        from multiprocessing import forkserver
+
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["rlscale.rewards.scorer"])
+        ctx.set_forkserver_preload(["rlscale.rewards.forkserver_signals", "rlscale.rewards.scorer"])
+        os.environ["RLSCALE_REWARD_FORKSERVER"] = "1"  # see forkserver_signals: it ignores SIGTERM
+        try:
+            forkserver.ensure_running()
+        finally:
+            del os.environ["RLSCALE_REWARD_FORKSERVER"]
         return ctx
     return mp.get_context("spawn")
 
@@ -114,10 +122,18 @@ class _Worker:
             except OSError:
                 kill = True
             self.process.join(timeout=1.0)
-        if self.process.is_alive():
-            self.process.kill()
+        if self.process.is_alive() or self.process.exitcode == 255:  # 255: its forkserver is gone
+            try:  # by pid: Process.kill() trusts the forkserver's word that it has exited
+                os.kill(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.process.join(timeout=5.0)
         self.conn.close()
+
+
+def _stop_workers(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.stop(kill=bool(worker.queue))
 
 
 class RewardScorer:
@@ -138,8 +154,9 @@ class RewardScorer:
         self._workers = [_Worker(self._ctx, function) for _ in range(num_workers)]
         self._closed = False
         # workers ignore SIGTERM, so multiprocessing's own exit handler (terminate, then join)
-        # would wait for them forever: close them first (atexit runs the later registration first)
-        atexit.register(self.close)
+        # would wait for them forever: they are stopped when the scorer is collected, or at exit
+        # before that handler (finalizers registered later run first); close() does it now
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
 
     def __enter__(self) -> RewardScorer:
         return self
@@ -151,9 +168,7 @@ class RewardScorer:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
-        for worker in self._workers:
-            worker.stop(kill=bool(worker.queue))
+        self._finalizer()
 
     def _replace(self, worker: _Worker, pending: deque) -> None:
         """Kill `worker` and start a fresh one in its slot; its unanswered samples go back first."""

@@ -110,15 +110,33 @@ def test_a_sigterm_to_the_process_group_leaves_every_sample_scored():
     import signal
     import threading
 
+    from multiprocessing import forkserver
+
     with RewardScorer(USER, timeout_s=5.0, num_workers=2) as scorer:
         pids = [w.process.pid for w in scorer._workers]
+        # the forkserver the workers come from is in the job too (its death would make
+        # multiprocessing take the workers for dead)
+        server = forkserver._forkserver._forkserver_pid
         responses = [f"nap {i}" for i in range(12)]
         answers = [r if i % 3 else "x" for i, r in enumerate(responses)]
-        timer = threading.Timer(0.3, lambda: [os.kill(pid, signal.SIGTERM) for pid in pids])
+        timer = threading.Timer(0.3, lambda: [os.kill(pid, signal.SIGTERM) for pid in [*pids, server]])
         timer.start()
         result = scorer.score(responses, answers)
         timer.join()
         assert result.rewards == [float(i % 3 != 0) for i in range(12)]
         assert (result.num_errors, result.num_timeouts) == (0, 0)
         assert [w.process.pid for w in scorer._workers] == pids  # the same workers, alive
+        assert all(w.process.is_alive() for w in scorer._workers)
     assert all(not w.process.is_alive() for w in scorer._workers)  # close() still stops them
+
+
+def test_a_scorer_dropped_without_close_stops_its_workers():
+    import gc
+
+    scorer = RewardScorer(USER, timeout_s=5.0, num_workers=1)
+    process = scorer._workers[0].process
+    assert scorer.score(["a"], ["a"]).rewards == [1.0]
+    del scorer
+    gc.collect()
+    process.join(timeout=10)
+    assert not process.is_alive()
