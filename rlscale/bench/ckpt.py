@@ -261,6 +261,7 @@ def bench_rlscale(worker, directory: Path) -> dict[str, float]:
     checkpointer.load(root / "step_2", group)
     sync(worker.device)
     load_s = time.perf_counter() - started
+    checkpointer.close()  # ends its claim on the directory
     shutil.rmtree(root)
     return {"stall_s": stall, "durable_s": durable, "load_s": load_s, "first_stall_s": first.stall_s,
             "bytes_written": report.bytes, "staging_registered": worker._engine._arena.registered,

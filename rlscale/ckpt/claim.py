@@ -29,8 +29,14 @@ def claim(root: Path) -> str | None:
     """Claim `root` for this process; returns a token for `release` (None: no locking here)."""
     path = str((Path(root) / LOCK_NAME).resolve())
     if path in _HELD:
-        _HELD[path][1] += 1
-        return path
+        try:  # still the file this process locked? (the directory may have been removed and made again)
+            current = os.fstat(_HELD[path][0].fileno()).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            _HELD[path][1] += 1
+            return path
+        _HELD.pop(path)[0].close()  # a stale claim: take the directory afresh
     while True:
         handle = open(path, "a+")
         try:

@@ -7,7 +7,8 @@ never  a fresh start; refused while the directory holds committed steps, because
        saves and retention would replace or delete them. Nothing is ever deleted to make room.
 PATH   that step directory, verified; a one-line error naming the path if missing or damaged.
        Newer steps in checkpoint_dir belong to the timeline the run leaves: once the chosen step
-       has loaded they are renamed abandoned_step_N (kept, never deleted; `set_aside_newer`), so
+       has loaded they are renamed abandoned_step_N (kept: the newest abandoned copy of each step;
+       `set_aside_newer`), so
        `auto` afterwards continues this run, not the abandoned one.
 
 Verification checks file sizes against the manifest, and checksums too with
@@ -16,6 +17,7 @@ Verification checks file sizes against the manifest, and checksums too with
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,23 +39,25 @@ class ResumeChoice:
             out.append(f"skipped damaged checkpoint(s) ({skipped}); resuming from {target}")
         if self.newer:
             out.append(f"resuming from {target} although the checkpoint dir holds newer steps "
-                       f"({', '.join(self.newer)}): they are set aside as abandoned_step_N (kept; delete them "
-                       "when sure), and checkpointing.resume=auto continues this run from here on")
+                       f"({', '.join(self.newer)}): they are set aside as abandoned_step_N (kept, one "
+                       "copy per step; delete them when sure), and checkpointing.resume=auto continues this run from here on")
         return out
 
 
 def set_aside_newer(root: Path, choice: ResumeChoice) -> list[Path]:
     """Rename the committed steps newer than an explicitly chosen one to abandoned_step_N (a
-    different timeline: resuming `auto` from them later would mix two runs' steps). Never deletes."""
+    different timeline: resuming `auto` from them later would mix two runs' steps). An older
+    abandoned copy of the same step is replaced; nothing else is deleted."""
     moved = []
     for name in choice.newer:
         source = Path(root) / name
         if not source.is_dir():
             continue
-        target, n = source.with_name(f"abandoned_{name}"), 1
-        while target.exists():
-            n += 1
-            target = source.with_name(f"abandoned_{name}.{n}")
+        # one abandoned copy per step: a job retried with the same explicit resume path would
+        # otherwise set aside a new copy of its own steps on every attempt, until the disk fills
+        target = source.with_name(f"abandoned_{name}")
+        if target.exists():
+            shutil.rmtree(target)
         source.rename(target)
         moved.append(target)
     return moved

@@ -47,9 +47,14 @@ def export_policy(step_dir: Path, out: Path) -> Path:
     policy_files = [rel for rel in manifest["files"] if rel.startswith(prefix)]
     if not any(rel.endswith(".safetensors") for rel in policy_files):
         raise UserError(f"checkpoint {str(step_dir)!r} holds no policy weights")
-    # copied beside `out` under a temporary name, fsync'd, then renamed: a failed or interrupted
-    # export (a full disk) never leaves a model directory that looks whole
-    staging = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
+    # Copied under a temporary name and fsync'd, then moved into place, so a failed export (a full
+    # disk) never leaves a model directory that looks whole. A new `out` is staged beside it and
+    # renamed; an existing empty one (the current directory, a mount point, a symlink to a
+    # directory) is staged inside it, and its files are moved up with config.json last: without
+    # config.json nothing loads it as a model.
+    existing = out.is_dir()
+    out = out.resolve() if existing else out
+    staging = (out / ".rlscale-export-tmp") if existing else out.parent / f".{out.name}.export-tmp-{os.getpid()}"
     try:
         staging.mkdir(parents=True)
         for rel in policy_files:
@@ -58,7 +63,12 @@ def export_policy(step_dir: Path, out: Path) -> Path:
             shutil.copyfile(step_dir / rel, target)
             with open(target, "rb+") as handle:
                 os.fsync(handle.fileno())
-        os.replace(staging, out)  # POSIX rename also replaces an empty directory
+        if not existing:
+            os.replace(staging, out)
+        else:
+            for entry in sorted(staging.iterdir(), key=lambda p: p.name == "config.json"):
+                os.replace(entry, out / entry.name)
+            staging.rmdir()
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
         raise UserError(f"export to {str(out)!r} failed: {exc.strerror or exc}") from None

@@ -22,6 +22,7 @@ from rlscale.cluster.spec import ClusterSpec, load_cluster_spec
 from rlscale.errors import UserError
 
 FILES = ("raycluster.yaml", "rayjob.yaml", "secret-reference.yaml", "podmonitoring.yaml", "NOTES.md")
+RENDER_RECORD = ".rlscale-render"  # the files the last render wrote (the only ones it may remove)
 METRICS_PORT_NAME = "rlscale-metrics"  # IANA service name: at most 15 characters
 
 
@@ -260,18 +261,25 @@ def render_to_dir(spec: ClusterSpec, out: Path) -> list[Path]:
     """Write the manifests into `out`: every file under a temporary name first, then renamed, so
     a failure (a full disk) leaves the previous render whole; a file an earlier render wrote that
     this spec no longer produces (podmonitoring.yaml once monitoring is off) is removed, so
-    `kubectl apply -f` on the directory applies this render only. Other files are left alone."""
+    `kubectl apply -f` on the directory applies this render only; which files a render wrote is
+    kept in .rlscale-render, and nothing else (a file of the user's) is ever removed."""
     out = Path(out)
     files = render(spec)
     staged = {name: out / f".{name}.tmp" for name in files}
+    record = out / RENDER_RECORD
+    try:
+        earlier = set(record.read_text(encoding="utf-8").split()) & set(FILES) if record.is_file() else set()
+    except OSError:
+        earlier = set()
     try:
         out.mkdir(parents=True, exist_ok=True)
         for name, text in files.items():
             staged[name].write_text(text, encoding="utf-8")
         for name in files:
             os.replace(staged[name], out / name)
-        for name in set(FILES) - set(files):
+        for name in earlier - set(files):
             (out / name).unlink(missing_ok=True)
+        record.write_text("".join(f"{name}\n" for name in files), encoding="utf-8")
     except OSError as exc:
         for tmp in staged.values():
             try:

@@ -70,6 +70,12 @@ def test_export_writes_a_model_dir_transformers_loads(run_dir, tmp_path):
         assert torch.equal(model(input_ids=ids).logits, worker.model(input_ids=ids).logits)
     again = invoke("ckpt", "export", root / "step_2", out)
     assert isinstance(again.exception, UserError) and "not an empty directory" in str(again.exception)
+    # an existing empty directory (here through a symlink, like a mounted volume) takes the files
+    (tmp_path / "volume").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "volume")
+    assert invoke("ckpt", "export", root / "step_2", tmp_path / "link").exit_code == 0
+    assert sorted(p.name for p in (tmp_path / "volume").iterdir()) == sorted(p.name for p in out.iterdir())
+    assert (tmp_path / "link").is_symlink()
 
 
 def test_a_failed_export_leaves_nothing_that_looks_like_a_model(run_dir, tmp_path, monkeypatch):

@@ -45,3 +45,8 @@ def test_resuming_an_older_step_sets_the_abandoned_timeline_aside(make_cfg):
     assert (root / "abandoned_step_3" / "trainer_state.json").read_bytes() == abandoned_weights  # kept as it was
     resumed = train(make_cfg(*TINY_RUN, "grpo.max_num_steps=3", "checkpointing.keep_top_k=null"))
     assert resumed["resumed_from"] == str(root / "step_2")  # this run's step 2, not the abandoned step 3
+    # the same explicit resume again (a retried job): one abandoned copy per step, the newest
+    train(make_cfg(*TINY_RUN, "grpo.max_num_steps=2", "checkpointing.keep_top_k=null",
+                   f"checkpointing.resume={root / 'step_1'}"))
+    assert sorted(p.name for p in root.iterdir()) == ["abandoned_step_2", "abandoned_step_3", "step_1", "step_2"]
+    assert (root / "abandoned_step_3" / "trainer_state.json").read_bytes() != abandoned_weights

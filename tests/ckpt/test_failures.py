@@ -161,3 +161,12 @@ def test_one_run_at_a_time_per_checkpoint_dir(make_cfg, tmp_path):
     third = checkpointer_for(cfg)  # and the directory is free again
     assert lock.exists()
     third.close()
+    # a claim whose directory was removed and made again is taken afresh, lock file and all
+    import shutil
+
+    held = checkpointer_for(cfg)
+    shutil.rmtree(cfg.checkpoint_dir)
+    again = checkpointer_for(cfg)
+    assert lock.exists()
+    again.close()
+    held.close()

@@ -146,7 +146,7 @@ def test_varied_specs_stay_valid(tmp_path, schemas):
 
 
 def test_defaults_reproduce_the_seed_cluster(rendered):
-    assert sorted(p.name for p in rendered.iterdir()) == sorted(FILES)
+    assert sorted(p.name for p in rendered.iterdir()) == sorted([*FILES, ".rlscale-render"])
     rc = _load(rendered, "raycluster.yaml")
     assert rc["spec"]["rayVersion"] == "2.54.0"
     head = rc["spec"]["headGroupSpec"]
@@ -320,11 +320,15 @@ def test_a_render_replaces_the_last_one_whole(tmp_path, monkeypatch):
         render_to_dir(ClusterSpec(name="other"), out)
     monkeypatch.undo()
     assert {name: (out / name).read_text() for name in FILES} == before
-    assert sorted(p.name for p in out.iterdir()) == sorted([*FILES, "my-notes.txt"])
+    assert sorted(p.name for p in out.iterdir()) == sorted([*FILES, "my-notes.txt", ".rlscale-render"])
     # monitoring off: the old podmonitoring.yaml goes, so `kubectl apply -f DIR` applies this render only
     spec = ClusterSpec.model_validate({"monitoring": {"enabled": False}})
     render_to_dir(spec, out)
     assert not (out / "podmonitoring.yaml").exists() and (out / "my-notes.txt").read_text() == "mine"
+    # a podmonitoring.yaml the user wrote (no render wrote one since) is theirs: left alone
+    (out / "podmonitoring.yaml").write_text("# mine\n")
+    render_to_dir(spec, out)
+    assert (out / "podmonitoring.yaml").read_text() == "# mine\n"
 
 
 def test_render_app_cli(tmp_path):
