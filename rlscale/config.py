@@ -134,7 +134,8 @@ class GRPOConfig(_Section):
     val_at_start: bool = Field(True, description="validate before the first step")
     val_at_end: bool = Field(True, description="validate after the last step")
     max_val_samples: int = Field(256, ge=1, description="held-out problems per validation")
-    val_temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="validation sampling temperature (0 = greedy)")
+    val_temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False,
+                                   description="validation sampling temperature (0 = greedy)")
     seed: int = Field(42, ge=-(2**62), le=2**62, description="seeds data order, sampling and initialisation")
 
 
@@ -182,8 +183,10 @@ class ClusterConfig(_Section):
     use_gpus: bool | None = Field(
         None, description="one GPU per worker; null = when the Ray cluster has GPUs and policy.device allows")
     cpus_per_worker: int = Field(1, ge=1, description="CPUs reserved per worker")
-    placement_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False, description="wait this long for the workers' resources")
-    collective_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False, description="torch.distributed collective timeout")
+    placement_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False,
+                                       description="wait this long for the workers' resources")
+    collective_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False,
+                                        description="torch.distributed collective timeout")
 
 
 class CheckpointingConfig(_Section):
@@ -198,8 +201,9 @@ class CheckpointingConfig(_Section):
         "and said so); never = start fresh (refused while checkpoint_dir holds committed steps: nothing is "
         "deleted); a step_N path = resume from that step (verified). YAML true/false = auto/never")
     preemption_grace_s: float = Field(
-        30.0, gt=0.0, allow_inf_nan=False, description="on SIGTERM/SIGINT: take an emergency save only if the last save's durable "
-        "time fits in this many seconds since the signal (GKE spot gives about 30)")
+        30.0, gt=0.0, allow_inf_nan=False,
+        description="on SIGTERM/SIGINT: take an emergency save only if the last save's durable time fits "
+        "in this many seconds since the signal (GKE spot gives about 30)")
     checkpoint_must_save_by: str | None = Field(
         None, description="wall-clock budget from the start, DD:HH:MM:SS (as in NeMo-RL): save and exit "
         "(code 75) before one more step and its save would pass it; null = no deadline")

@@ -101,7 +101,8 @@ def train_on_rollouts(cfg: Config, group, rollouts: Rollouts, advantages: list[f
                       pad_id: int) -> dict[str, float]:
     """Shuffle samples, cut them into optimizer steps, shard each step over the workers."""
     sizes = derive_sizes(cfg)
-    order = torch.randperm(len(advantages), generator=torch.Generator().manual_seed((cfg.grpo.seed * 100_003 + step) % 2**63))
+    generator = torch.Generator().manual_seed((cfg.grpo.seed * 100_003 + step) % 2**63)  # any seed in range
+    order = torch.randperm(len(advantages), generator=generator)
     order = order.tolist()
     gbs = cfg.policy.train_global_batch_size
     per_worker: list[list] = [[] for _ in range(group.world_size)]
@@ -221,7 +222,8 @@ def train(cfg: Config) -> dict:
         sinks = build_sinks(run_dir, cfg.logger.tensorboard_enabled, cfg.logger.wandb_enabled,
                             resumed_step=state.step if resumed_from else None,
                             prometheus_port=cfg.logger.prometheus_port, config=cfg,
-                            resumed_row=(read_manifest(Path(resumed_from)) or {}).get("metrics") if resumed_from else None)
+                            resumed_row=(read_manifest(Path(resumed_from)) or {}).get("metrics")
+                            if resumed_from else None)
         cleanup.callback(sinks.close)
         signals = cleanup.enter_context(StopSignals())  # SIGTERM/SIGINT: save, then RunStopped
         run = Run(cfg, group, scorer, checkpointer, sinks, loader, datasets.val, state,
@@ -389,7 +391,7 @@ class Run:
         newest = self.checkpointer.latest() if ckpt.enabled else None
         kept = f"{newest} is the newest checkpoint" if newest else "no checkpoint is saved"
         # resume=never or a step path would not pick up this run's newest step: auto does
-        again = ("run the same command to resume" if self.cfg.checkpointing.resume.lower() == "auto"
+        again = ("run the same command to resume" if self.cfg.checkpointing.resume == "auto"
                  else "run it again with checkpointing.resume=auto to resume")
         raise RunStopped(f"stopped by {why} after step {state.step}: {kept}{skipped}; {again}",
                          code)  # the CLI prints it as its last line

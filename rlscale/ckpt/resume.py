@@ -40,7 +40,8 @@ class ResumeChoice:
         if self.newer:
             out.append(f"resuming from {target} although the checkpoint dir holds newer steps "
                        f"({', '.join(self.newer)}): they are set aside as abandoned_step_N (kept, one "
-                       "copy per step; delete them when sure), and checkpointing.resume=auto continues this run from here on")
+                       "copy per step; delete them when sure), and checkpointing.resume=auto continues "
+                       "this run from here on")
         return out
 
 

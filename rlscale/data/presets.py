@@ -112,8 +112,6 @@ def _without_val_texts(train: list[Problem], val: list[Problem], label: str) -> 
 
 
 def _load_files(cfg: DataConfig, preset: Preset, fields: FieldMap, seed: int):
-    if not cfg.train_path:
-        raise UserError(f"data.train_path is required for data.dataset_name={preset.name}")
     read = read_jsonl if preset.kind == "jsonl" else read_parquet
     train = read(cfg.train_path, fields, "data.train_path")
     if cfg.val_path:
@@ -122,9 +120,7 @@ def _load_files(cfg: DataConfig, preset: Preset, fields: FieldMap, seed: int):
 
 
 def _load_hub(cfg: DataConfig, preset: Preset, fields: FieldMap, seed: int):
-    name = cfg.hf_name or preset.hf_name
-    if not name:
-        raise UserError("data.hf_name is required for data.dataset_name=huggingface")
+    name = cfg.hf_name or preset.hf_name  # one of them is set: check_data_config saw to it
     subset = cfg.hf_subset or preset.hf_subset
     train_split = cfg.train_split if _given(cfg, "train_split") else preset.train_split
     val_split = cfg.val_split or preset.val_split
