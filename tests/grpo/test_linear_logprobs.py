@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -60,12 +62,24 @@ def test_no_graph_without_grad():
 
 
 def test_compiled_chunk_kernels_trace_whole_and_agree(monkeypatch):
-    """policy.compile fuses the chunk arithmetic; aot_eager checks the tracing without a C compiler."""
+    """policy.compile fuses the chunk arithmetic; aot_eager checks the tracing without a C compiler.
+    Full chunks take the static compilation, the last (shorter) chunk the other, and the fused
+    forward (entropy from the log-partition's exponentials) agrees with the eager form."""
     from rlscale.grpo import loss
 
-    compiled = {name: torch.compile(fn, dynamic=True, backend="aot_eager", fullgraph=True)
-                for name, fn in (("forward", loss._chunk_forward), ("grad", loss._chunk_grad_pointwise))}
-    monkeypatch.setattr(loss, "_COMPILED", compiled)
+    calls = []
+
+    def compile_recorded(fn, dynamic):
+        compiled = torch.compile(fn, dynamic=dynamic, backend="aot_eager", fullgraph=True)
+
+        def run(logits, *args):
+            calls.append((fn.__name__, dynamic, logits.shape[0]))
+            return compiled(logits, *args)
+
+        return run
+
+    monkeypatch.setattr(loss, "_compile", compile_recorded)
+    monkeypatch.setattr(loss, "_COMPILED", {})
     hidden, weight, targets, upstream = _inputs(dtype=torch.float32)
     results = []
     for use_compiled in (True, False):
@@ -75,6 +89,22 @@ def test_compiled_chunk_kernels_trace_whole_and_agree(monkeypatch):
         results.append((lp, ent, hidden.grad.clone(), weight.grad.clone()))
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected)
+    # 13 rows in chunks of 5: two full chunks (static) and one of 3 rows (dynamic), forward and backward
+    for name in ("_chunk_forward_fused", "_chunk_grad_pointwise"):
+        assert [(d, rows) for n, d, rows in calls if n == name] == [(False, 5), (False, 5), (None, 3)]
+
+
+def test_the_fused_forward_matches_the_eager_one_with_extreme_logits():
+    from rlscale.grpo.loss import _chunk_forward, _chunk_forward_fused
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=gen, dtype=torch.float64) * torch.tensor([1, 10, 100, 1e3, 1e4, 0.0])[:, None]
+    targets = torch.randint(0, 50, (6,), generator=gen)
+    for got, expected in zip(_chunk_forward_fused(logits, targets, True, torch.float64),
+                             _chunk_forward(logits, targets, True, torch.float64)):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-9)
+    uniform = _chunk_forward_fused(torch.zeros(1, 50, dtype=torch.float64), targets[:1], True, torch.float64)
+    torch.testing.assert_close(uniform[2], torch.tensor([math.log(50)], dtype=torch.float64))
 
 
 # --- the head fused with a per-token loss (its gradient taken in the forward) --------------------
