@@ -207,6 +207,11 @@ class CheckpointingConfig(_Section):
     checkpoint_must_save_by: str | None = Field(
         None, description="wall-clock budget from the start, DD:HH:MM:SS (as in NeMo-RL): save and exit "
         "(code 75) before one more step and its save would pass it; null = no deadline")
+    claim_wait_s: float = Field(
+        300.0, ge=0.0, allow_inf_nan=False,
+        description="a run holds checkpoint_dir while it runs; when another node holds it (perhaps a node "
+        "that died, whose lock on NFS/Lustre lasts until its lease ends) wait this long before refusing. "
+        "A holder on this node is refused at once")
     async_save: bool = Field(
         True, description="persist in the background while the next rollout runs; false = wait for the commit")
     staging_budget_gb: float = Field(

@@ -209,7 +209,7 @@ def train(cfg: Config) -> dict:
         run_dir = prepare_run_dir(cfg)
         checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
         if cfg.checkpointing.enabled:
-            checkpointer.prepare()
+            checkpointer.prepare(notify=print_note)
             cleanup.callback(checkpointer.release)  # also when the model fails to load
         group = make_worker_group(cfg)
         cleanup.callback(group.shutdown)

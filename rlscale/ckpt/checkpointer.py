@@ -80,13 +80,14 @@ class Checkpointer:
         self._done: list[SaveReport] = []
         self._error: tuple[int, BaseException] | None = None
 
-    def prepare(self) -> None:
+    def prepare(self, notify=None) -> None:
         """Check the directory is writable, claim it for this run (rlscale/ckpt/claim.py: a second
         run would delete this one's saves in flight as a crash's leftovers) and remove saves a
-        crash left half-written. `release` (or `close`) ends the claim."""
+        crash left half-written. `release` (or `close`) ends the claim. notify(line): told when the
+        claim waits for a holder on another node."""
         ensure_writable_dir(self.root, "checkpointing.checkpoint_dir")
         if self._claim is None:
-            self._claim = claim.claim(self.root)
+            self._claim = claim.claim(self.root, self.settings.claim_wait_s, notify=notify)
         for stale in layout.stale_tmp_dirs(self.root):  # also steps retention had begun to delete
             shutil.rmtree(stale, ignore_errors=True)
 

@@ -7,6 +7,12 @@ with an exclusive `flock` on <checkpoint_dir>/.rlscale.lock for as long as it ru
 run is refused with one line. The lock file is removed when the claim ends, so a finished or
 failed run leaves nothing behind; after a crash the OS drops the lock and the next run takes over.
 
+A holder on another node may be a node that died: on a shared file system (NFS, Lustre with
+`-o flock`) its lock outlives it until the server's lease for that client ends (tens of seconds
+to minutes), and the job's retry would be refused meanwhile. So a claim held from another node is
+waited for, up to `wait_s` (checkpointing.claim_wait_s), before the refusal; a holder on this node
+is a live run (the OS drops a dead process's lock at once) and is refused at once.
+
 A file system without flock (a Lustre client mounted without `-o flock`) gets no claim rather
 than a refusal. Claims are per process: a process that claims a directory it already holds
 shares that claim (counted), as two Checkpointers of one process may.
@@ -17,7 +23,9 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import time
 from pathlib import Path
+from typing import Callable
 
 from rlscale.errors import UserError
 
@@ -25,9 +33,22 @@ LOCK_NAME = ".rlscale.lock"
 _HELD: dict[str, list] = {}  # resolved lock path -> [open file, holders]
 
 
-def claim(root: Path) -> str | None:
-    """Claim `root` for this process; returns a token for `release` (None: no locking here)."""
+def _holder_note() -> str:
+    return f"pid {os.getpid()} on {os.uname().nodename}"
+
+
+def _held_elsewhere(holder: str) -> bool:
+    """Whether the lock file's note names another node (an unreadable note counts as elsewhere)."""
+    return not holder.endswith(f" on {os.uname().nodename}")
+
+
+def claim(root: Path, wait_s: float = 0.0, poll_s: float = 2.0,
+          notify: Callable[[str], None] | None = None) -> str | None:
+    """Claim `root` for this process; returns a token for `release` (None: no locking here).
+    wait_s: how long to wait for a holder on another node to go (see the module's note);
+    notify(line) is told once when the wait starts."""
     path = str((Path(root) / LOCK_NAME).resolve())
+    deadline = time.monotonic() + wait_s
     if path in _HELD:
         try:  # still the file this process locked? (the directory may have been removed and made again)
             current = os.fstat(_HELD[path][0].fileno()).st_ino == os.stat(path).st_ino
@@ -45,11 +66,19 @@ def claim(root: Path) -> str | None:
             handle.seek(0)
             holder = handle.read().strip()
             handle.close()
-            if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                raise UserError(f"checkpointing.checkpoint_dir {str(root)!r} is in use by another run"
-                                f"{f' ({holder})' if holder else ''}; stop that run, or give this one its own "
-                                "logger.log_dir (or checkpointing.checkpoint_dir)") from None
-            return None  # ENOLCK, EOPNOTSUPP, ENOSYS: no locking on this file system
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                return None  # ENOLCK, EOPNOTSUPP, ENOSYS: no locking on this file system
+            if _held_elsewhere(holder) and time.monotonic() < deadline:
+                if notify is not None:
+                    notify(f"checkpointing.checkpoint_dir {str(root)!r} is held by {holder or 'another run'}; "
+                           f"waiting up to {wait_s:g} s for it to end (a dead node's lock lasts until "
+                           "its lease expires; checkpointing.claim_wait_s)")
+                    notify = None
+                time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
+                continue
+            raise UserError(f"checkpointing.checkpoint_dir {str(root)!r} is in use by another run"
+                            f"{f' ({holder})' if holder else ''}; stop that run, or give this one its own "
+                            "logger.log_dir (or checkpointing.checkpoint_dir)") from None
         try:  # the holder before us may have removed the file between our open and our lock
             same = os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino
         except FileNotFoundError:
@@ -59,7 +88,7 @@ def claim(root: Path) -> str | None:
         handle.close()
     handle.seek(0)
     handle.truncate()
-    handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+    handle.write(_holder_note() + "\n")
     handle.flush()
     _HELD[path] = [handle, 1]
     return path

@@ -123,6 +123,55 @@ def test_the_loop_waits_only_for_the_snapshot_and_one_save_is_in_flight(saved, m
     assert entries(cfg.checkpoint_dir) == ["step_3"]
 
 
+_CLAIMANT = """
+import sys, time
+from rlscale.ckpt.claim import claim
+from rlscale.errors import UserError
+start = time.monotonic()
+try:
+    claim(sys.argv[1], wait_s=float(sys.argv[2]), poll_s=0.1, notify=lambda line: print("WAIT", line, flush=True))
+except UserError as e:
+    print("REFUSED", round(time.monotonic() - start, 1), e, flush=True)
+    sys.exit(2)
+print("CLAIMED", round(time.monotonic() - start, 1), flush=True)
+"""
+
+
+def test_a_claim_held_from_another_node_is_waited_for_and_one_from_this_node_is_not(make_cfg):
+    """A RayJob retry after a node died finds the dead node's lock still held (NFS/Lustre keep it
+    until the client's lease ends): it waits up to claim_wait_s. A holder on this node is a live run."""
+    import subprocess
+    import sys
+
+    from rlscale.ckpt.claim import LOCK_NAME
+
+    cfg = make_cfg()
+    first = checkpointer_for(cfg)
+    lock = cfg.checkpoint_dir / LOCK_NAME
+
+    def claimant(wait_s):
+        return subprocess.Popen([sys.executable, "-c", _CLAIMANT, str(cfg.checkpoint_dir), str(wait_s)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    same_node = claimant(600)
+    out, err = same_node.communicate(timeout=60)
+    assert same_node.returncode == 2 and out.startswith("REFUSED") and "WAIT" not in out, err
+    assert float(out.split()[1]) < 30  # at once, not after the wait
+    lock.write_text("pid 4242 on a-node-that-died\n")  # the holder's note, as another node writes it
+    gives_up = claimant(1.0)
+    out, err = gives_up.communicate(timeout=60)
+    lines = out.splitlines()
+    assert gives_up.returncode == 2, err
+    assert lines[0].startswith("WAIT") and "held by pid 4242 on a-node-that-died" in lines[0] and "claim_wait_s" in lines[0]
+    assert lines[1].startswith("REFUSED") and float(lines[1].split()[1]) >= 1.0
+    assert "in use by another run (pid 4242 on a-node-that-died)" in lines[1]
+    waits = claimant(600)
+    assert waits.stdout.readline().startswith("WAIT")  # waiting now: the holder goes away
+    first.close()
+    out, err = waits.communicate(timeout=60)
+    assert waits.returncode == 0 and out.startswith("CLAIMED"), err
+
+
 def test_synchronous_saves_return_committed(make_cfg):
     cfg = make_cfg("checkpointing.async_save=false")
     group = make_group(cfg)
