@@ -183,6 +183,15 @@ def throughput_metrics(rollouts: Rollouts, step_s: float) -> dict[str, float]:
     return {"time/step_s": step_s, "throughput/tokens_per_s": all_tokens / step_s}
 
 
+def _already_finished(cfg: Config, choice: ResumeChoice, finished: dict) -> dict:
+    """Nothing left to do: say so, load nothing, leave the run's files as they are."""
+    for note in choice.notes() + [f"the run in {cfg.logger.log_dir} finished at step {finished['final_step']} "
+                                  f"(grpo.max_num_steps={cfg.grpo.max_num_steps}); raise grpo.max_num_steps "
+                                  "to train on, or set logger.log_dir for a new run"]:
+        print_note(note)
+    return finished
+
+
 def train(cfg: Config) -> dict:
     """Run (or resume) a GRPO training run; returns the summary written to summary.json."""
     started = time.perf_counter()
@@ -190,12 +199,8 @@ def train(cfg: Config) -> dict:
     choice = choose_resume(cfg.checkpoint_dir, cfg.checkpointing.resume, cfg.checkpointing.verify_checksums) \
         if cfg.checkpointing.enabled else None
     finished = finished_summary(cfg, choice)
-    if finished is not None:  # nothing left to do: say so, load nothing, leave the run's files as they are
-        for note in choice.notes() + [f"the run in {cfg.logger.log_dir} finished at step {finished['final_step']} "
-                                      f"(grpo.max_num_steps={cfg.grpo.max_num_steps}); raise grpo.max_num_steps "
-                                      "to train on, or set logger.log_dir for a new run"]:
-            print_note(note)
-        return finished
+    if finished is not None:
+        return _already_finished(cfg, choice, finished)
     # Check the inputs (data, reward function) before writing anything, the directories before
     # the slow model load, and touch the run's files only once the model and checkpoint loaded.
     datasets = build_datasets(cfg.data, cfg.grpo.seed)
@@ -209,8 +214,14 @@ def train(cfg: Config) -> dict:
         run_dir = prepare_run_dir(cfg)
         checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
         if cfg.checkpointing.enabled:
-            checkpointer.prepare(notify=print_note)
+            waited = checkpointer.prepare(notify=print_note)
             cleanup.callback(checkpointer.release)  # also when the model fails to load
+            if waited:  # the run that held the directory may have saved (or finished) meanwhile
+                choice = choose_resume(cfg.checkpoint_dir, cfg.checkpointing.resume,
+                                       cfg.checkpointing.verify_checksums)
+                finished = finished_summary(cfg, choice)
+                if finished is not None:
+                    return _already_finished(cfg, choice, finished)
         group = make_worker_group(cfg)
         cleanup.callback(group.shutdown)
         state, resumed_from, notes = resume_or_start(choice, checkpointer, group, loader)

@@ -245,7 +245,7 @@ def bench_rlscale(worker, directory: Path) -> dict[str, float]:
 
     root = directory / "rlscale"
     checkpointer = Checkpointer(root, worker.ckpt_settings, "{}\n", "bench")
-    checkpointer.prepare()
+    checkpointer.prepare(notify=print)
     group = OneWorkerGroup(worker)
     first = checkpointer.save(1, group, {"step": 1}, {})  # allocates the staging buffers
     checkpointer.wait()

@@ -80,16 +80,24 @@ class Checkpointer:
         self._done: list[SaveReport] = []
         self._error: tuple[int, BaseException] | None = None
 
-    def prepare(self, notify=None) -> None:
+    def prepare(self, notify=None) -> bool:
         """Check the directory is writable, claim it for this run (rlscale/ckpt/claim.py: a second
         run would delete this one's saves in flight as a crash's leftovers) and remove saves a
         crash left half-written. `release` (or `close`) ends the claim. notify(line): told when the
-        claim waits for a holder on another node."""
+        claim waits for a holder on another node. Returns whether it waited (the holder may have
+        saved meanwhile: what the directory held before is out of date)."""
         ensure_writable_dir(self.root, "checkpointing.checkpoint_dir")
+        waits: list[str] = []
         if self._claim is None:
-            self._claim = claim.claim(self.root, self.settings.claim_wait_s, notify=notify)
+            def on_wait(line: str) -> None:
+                waits.append(line)
+                if notify is not None:
+                    notify(line)
+
+            self._claim = claim.claim(self.root, self.settings.claim_wait_s, notify=on_wait)
         for stale in layout.stale_tmp_dirs(self.root):  # also steps retention had begun to delete
             shutil.rmtree(stale, ignore_errors=True)
+        return bool(waits)
 
     def release(self) -> None:
         token, self._claim = self._claim, None

@@ -11,7 +11,9 @@ A holder on another node may be a node that died: on a shared file system (NFS, 
 `-o flock`) its lock outlives it until the server's lease for that client ends (tens of seconds
 to minutes), and the job's retry would be refused meanwhile. So a claim held from another node is
 waited for, up to `wait_s` (checkpointing.claim_wait_s), before the refusal; a holder on this node
-is a live run (the OS drops a dead process's lock at once) and is refused at once.
+is a live run (the OS drops a dead process's lock at once) and is refused at once. "This node" is
+the kernel's boot id, which every container of a machine shares: a pod's hostname is its own and
+may even come back unchanged on another machine (StatefulSets, indexed Jobs).
 
 A file system without flock (a Lustre client mounted without `-o flock`) gets no claim rather
 than a refusal. Claims are per process: a process that claims a directory it already holds
@@ -33,13 +35,26 @@ LOCK_NAME = ".rlscale.lock"
 _HELD: dict[str, list] = {}  # resolved lock path -> [open file, holders]
 
 
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def _holder_note() -> str:
-    return f"pid {os.getpid()} on {os.uname().nodename}"
+    boot = _boot_id()
+    return f"pid {os.getpid()} on {os.uname().nodename}" + (f", boot {boot}" if boot else "")
 
 
 def _held_elsewhere(holder: str) -> bool:
-    """Whether the lock file's note names another node (an unreadable note counts as elsewhere)."""
-    return not holder.endswith(f" on {os.uname().nodename}")
+    """Whether the lock file's note names another machine: by boot id, or by hostname for a note
+    without one (an empty or unreadable note counts as elsewhere)."""
+    boot = _boot_id()
+    noted = holder.rpartition(", boot ")[2] if ", boot " in holder else None
+    if boot and noted:
+        return noted != boot
+    return holder.partition(" on ")[2].partition(", boot ")[0] != os.uname().nodename
 
 
 def claim(root: Path, wait_s: float = 0.0, poll_s: float = 2.0,
@@ -49,6 +64,7 @@ def claim(root: Path, wait_s: float = 0.0, poll_s: float = 2.0,
     notify(line) is told once when the wait starts."""
     path = str((Path(root) / LOCK_NAME).resolve())
     deadline = time.monotonic() + wait_s
+    waited = False
     if path in _HELD:
         try:  # still the file this process locked? (the directory may have been removed and made again)
             current = os.fstat(_HELD[path][0].fileno()).st_ino == os.stat(path).st_ino
@@ -59,7 +75,7 @@ def claim(root: Path, wait_s: float = 0.0, poll_s: float = 2.0,
             return path
         _HELD.pop(path)[0].close()  # a stale claim: take the directory afresh
     while True:
-        handle = open(path, "a+")
+        handle = open(path, "a+", errors="replace")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -69,15 +85,19 @@ def claim(root: Path, wait_s: float = 0.0, poll_s: float = 2.0,
             if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 return None  # ENOLCK, EOPNOTSUPP, ENOSYS: no locking on this file system
             if _held_elsewhere(holder) and time.monotonic() < deadline:
-                if notify is not None:
+                # an empty note: the holder may be between its lock and its note; look again first
+                if notify is not None and (holder or waited):
                     notify(f"checkpointing.checkpoint_dir {str(root)!r} is held by {holder or 'another run'}; "
-                           f"waiting up to {wait_s:g} s for it to end (a dead node's lock lasts until "
-                           "its lease expires; checkpointing.claim_wait_s)")
+                           f"waiting up to "
+                           f"{wait_s:g} s for it to end (a dead node's lock lasts until its lease expires; "
+                           "checkpointing.claim_wait_s)")
                     notify = None
+                waited = True
                 time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
                 continue
+            after = f" after waiting {wait_s:g} s (checkpointing.claim_wait_s)" if waited else ""
             raise UserError(f"checkpointing.checkpoint_dir {str(root)!r} is in use by another run"
-                            f"{f' ({holder})' if holder else ''}; stop that run, or give this one its own "
+                            f"{f' ({holder})' if holder else ''}{after}; stop that run, or give this one its own "
                             "logger.log_dir (or checkpointing.checkpoint_dir)") from None
         try:  # the holder before us may have removed the file between our open and our lock
             same = os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino

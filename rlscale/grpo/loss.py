@@ -139,8 +139,8 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.T
     return acc.add_(a @ b)
 
 
-def _compile(fn, dynamic: bool | None):
-    return torch.compile(fn, dynamic=dynamic)
+def _compile(fn):
+    return torch.compile(fn, dynamic=False)
 
 
 def _own_code(fn):
@@ -148,18 +148,23 @@ def _own_code(fn):
 
 
 def _by_rows(fn, rows: int):
-    """`fn` compiled twice: with static shapes for chunks of `rows` rows (all but a call's last),
-    and for other row counts with automatic dynamic shapes (static at first, then only the row
-    count made symbolic once a second count is seen). The vocabulary stays static in both:
-    compiled with dynamic=True it is symbolic too, and every element's index arithmetic divides
-    by a runtime value, which made both chunk kernels 2-3× slower on an H200 (the gradient 935
-    against 335 µs per 2048 × 151,936 chunk, bench/results)."""
-    # each its own copy of the code: dynamo keeps compiled entries, their recompile limit and the
-    # shapes seen so far per code object, which two compilations of one function would share
-    full, other = (_compile(_own_code(fn), dynamic) for dynamic in (False, None))
+    """`fn` compiled twice, the vocabulary static in both: with static shapes for chunks of `rows`
+    rows (all but a call's last), and with the row count symbolic (marked dynamic) for other
+    counts, one compilation whatever they are. Compiled with dynamic=True the vocabulary is
+    symbolic too, and every element's index arithmetic divides by a runtime value, which made both
+    chunk kernels 2-3× slower on an H200 (the gradient 935 against 335 µs per 2048 × 151,936 chunk,
+    bench/results); automatic dynamic shapes would recompile per storage offset of the sliced
+    arguments and could turn the vocabulary symbolic too."""
+    # each its own copy of the code: dynamo keeps compiled entries and their limit per code object
+    full, other = _compile(_own_code(fn)), _compile(_own_code(fn))
 
     def run(logits: torch.Tensor, *args):
-        return (full if logits.shape[0] == rows else other)(logits, *args)
+        if logits.shape[0] == rows:
+            return full(logits, *args)
+        for tensor in (logits, *args):
+            if isinstance(tensor, torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        return other(logits, *args)
 
     return run
 

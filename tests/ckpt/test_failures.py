@@ -172,6 +172,46 @@ def test_a_claim_held_from_another_node_is_waited_for_and_one_from_this_node_is_
     assert waits.returncode == 0 and out.startswith("CLAIMED"), err
 
 
+def test_which_lock_notes_name_another_machine(monkeypatch):
+    from rlscale.ckpt import claim
+
+    monkeypatch.setattr(claim, "_boot_id", lambda: "boot-here")
+    monkeypatch.setattr(claim.os, "uname", lambda: type("U", (), {"nodename": "pod-a"})())
+    assert claim._holder_note() == f"pid {claim.os.getpid()} on pod-a, boot boot-here"
+    assert not claim._held_elsewhere("pid 7 on pod-b, boot boot-here")  # another pod, same machine: live
+    assert claim._held_elsewhere("pid 7 on pod-a, boot boot-there")  # the same pod name on a new machine
+    assert not claim._held_elsewhere("pid 7 on pod-a")  # an older note: by hostname
+    assert claim._held_elsewhere("pid 7 on pod-b") and claim._held_elsewhere("")
+    monkeypatch.setattr(claim, "_boot_id", lambda: None)  # no boot id here: hostnames decide
+    assert not claim._held_elsewhere("pid 7 on pod-a, boot boot-there")
+    assert claim._held_elsewhere("pid 7 on pod-b, boot boot-here")
+
+
+def test_a_run_that_waited_for_the_claim_is_told_so(make_cfg):
+    """The directory's contents may have changed during the wait (the holder's last save): prepare
+    says it waited, and the controller then chooses its resume step again."""
+    import subprocess
+    import sys
+
+    cfg = make_cfg()
+    cfg.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from rlscale.ckpt.claim import claim\n"
+         "claim(sys.argv[1]); (Path(sys.argv[1]) / '.rlscale.lock').write_text('pid 9 on elsewhere, boot x')\n"
+         "print('HELD', flush=True); time.sleep(1.5)", str(cfg.checkpoint_dir)],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().startswith("HELD")
+    notes = []
+    ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing.model_copy(update={"claim_wait_s": 60.0}), "{}", "x")
+    assert ckpt.prepare(notify=notes.append) is True
+    assert len(notes) == 1 and "held by pid 9 on elsewhere, boot x" in notes[0]
+    holder.wait(timeout=30)
+    ckpt.close()
+    again = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, "{}", "x")
+    assert again.prepare() is False  # free: no wait
+    again.close()
+
+
 def test_synchronous_saves_return_committed(make_cfg):
     cfg = make_cfg("checkpointing.async_save=false")
     group = make_group(cfg)

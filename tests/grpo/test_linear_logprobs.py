@@ -67,13 +67,15 @@ def test_compiled_chunk_kernels_trace_whole_and_agree(monkeypatch):
     forward (entropy from the log-partition's exponentials) agrees with the eager form."""
     from rlscale.grpo import loss
 
-    calls = []
+    calls, made = [], {}
 
-    def compile_recorded(fn, dynamic):
-        compiled = torch.compile(fn, dynamic=dynamic, backend="aot_eager", fullgraph=True)
+    def compile_recorded(fn):
+        role = "full" if fn.__name__ not in made else "other"  # _by_rows compiles full, then other
+        made[fn.__name__] = role
+        compiled = torch.compile(fn, dynamic=False, backend="aot_eager", fullgraph=True)
 
         def run(logits, *args):
-            calls.append((fn.__name__, dynamic, logits.shape[0]))
+            calls.append((fn.__name__, role, logits.shape[0]))
             return compiled(logits, *args)
 
         return run
@@ -89,9 +91,37 @@ def test_compiled_chunk_kernels_trace_whole_and_agree(monkeypatch):
         results.append((lp, ent, hidden.grad.clone(), weight.grad.clone()))
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected)
-    # 13 rows in chunks of 5: two full chunks (static) and one of 3 rows (dynamic), forward and backward
+    # 13 rows in chunks of 5: two full chunks (static) and one of 3 rows (the other), forward and backward
     for name in ("_chunk_forward_fused", "_chunk_grad_pointwise"):
-        assert [(d, rows) for n, d, rows in calls if n == name] == [(False, 5), (False, 5), (None, 3)]
+        assert [(role, rows) for n, role, rows in calls if n == name] == [("full", 5), ("full", 5), ("other", 3)]
+
+
+def test_the_compiled_chunk_kernels_compile_a_bounded_number_of_times(monkeypatch):
+    """Every pack ends in a chunk of another row count, sliced at another offset: those must not
+    recompile (past dynamo's limit, 8 per function, the kernels would silently run eagerly)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from rlscale.grpo import loss
+
+    def frames(row_counts):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        monkeypatch.setattr(loss, "_compile", lambda fn: torch.compile(fn, dynamic=False, backend=counter))
+        monkeypatch.setattr(loss, "_COMPILED", {})
+        gen = torch.Generator().manual_seed(5)
+        weight = torch.randn(31, 8, generator=gen, requires_grad=True)
+        for n in row_counts:
+            hidden = torch.randn(n, 8, generator=gen, requires_grad=True)
+            targets = torch.randint(0, 31, (n,), generator=gen)
+            for with_entropy in (True, False):
+                lp, _ = linear_logprobs(hidden, weight, targets, with_entropy=with_entropy, chunk=4, compiled=True)
+                lp.sum().backward()
+        return counter.frame_count
+
+    few = frames([4, 9, 6])  # full chunks and tails of 1 and 2 rows
+    many = frames([4, 9, 6, 7, 11, 13, 14, 19, 22, 27, 29, 30, 33, 37, 41])
+    # forward: full × entropy on/off, other × entropy on/off × (1 row, several); gradient: full, other × 2
+    assert few == many == 9
 
 
 def test_the_fused_forward_matches_the_eager_one_with_extreme_logits():

@@ -12,7 +12,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlscale.models.packed_attention import use_packed_attention
 from rlscale.workers.packing import pack_documents
-from rlscale.workers.policy import packed_logprobs
+from rlscale.workers.policy import compile_layers, packed_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -26,13 +26,18 @@ def _model(backend: str, seed: int = 0):
     return model
 
 
-def test_varlen_matches_per_sample_sdpa_in_values_and_gradients():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_varlen_matches_per_sample_sdpa_in_values_and_gradients(compiled):
+    # compiled layers hand attention q/k in another memory layout than eager ones (varlen takes
+    # them as strided views)
     gen = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (300, 17, 129, 64)]
     mb = pack_documents(docs, [10, 3, 100, 1], list(range(4))).to(torch.device("cuda"))
     results = []
     for backend in ("varlen", "sdpa"):
         model = _model(backend)
+        if compiled and backend == "varlen":
+            compile_layers(model)
         logprobs, entropy = packed_logprobs(model, mb, with_entropy=True, chunk=128)
         logprobs.sum().backward()
         results.append((logprobs.detach(), entropy, [p.grad.float() for p in model.parameters()]))
