@@ -244,15 +244,18 @@ def train(cfg: Config) -> dict:
                 progress.print(note)
             eval_after = run.loop(progress, resumed_from)
         state.wall_s = run.wall_before + time.perf_counter() - started
-    summary = {
-        "final_step": state.step,
-        "steps_run": state.step - run.start_step,
-        "resumed_from": resumed_from,
-        "wall_s": round(state.wall_s, 3),
-        "eval": {"before": _strip(state.eval_before), "after": _strip(eval_after)},
-        "checkpoint_dir": str(cfg.checkpoint_dir) if cfg.checkpointing.enabled else None,
-    }
-    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        summary = {
+            "final_step": state.step,
+            "steps_run": state.step - run.start_step,
+            "resumed_from": resumed_from,
+            "wall_s": round(state.wall_s, 3),
+            "eval": {"before": _strip(state.eval_before), "after": _strip(eval_after)},
+            "checkpoint_dir": str(cfg.checkpoint_dir) if cfg.checkpointing.enabled else None,
+        }
+        # the last save commits, then the summary is written, both while this run still holds the
+        # directory: a run waiting for it must find the summary when it gets the claim
+        checkpointer.wait()
+        write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 

@@ -95,7 +95,9 @@ def claim(root: Path, wait_s: float = 0.0, poll_s: float = 2.0,
                 waited = True
                 time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
                 continue
-            after = f" after waiting {wait_s:g} s (checkpointing.claim_wait_s)" if waited else ""
+            # refused with a holder elsewhere: the wait ran out (not a live run found here after a look)
+            after = f" after waiting {wait_s:g} s (checkpointing.claim_wait_s)" \
+                if waited and _held_elsewhere(holder) else ""
             raise UserError(f"checkpointing.checkpoint_dir {str(root)!r} is in use by another run"
                             f"{f' ({holder})' if holder else ''}{after}; stop that run, or give this one its own "
                             "logger.log_dir (or checkpointing.checkpoint_dir)") from None

@@ -50,3 +50,21 @@ def test_resuming_an_older_step_sets_the_abandoned_timeline_aside(make_cfg):
                    f"checkpointing.resume={root / 'step_1'}"))
     assert sorted(p.name for p in root.iterdir()) == ["abandoned_step_2", "abandoned_step_3", "step_1", "step_2"]
     assert (root / "abandoned_step_3" / "trainer_state.json").read_bytes() != abandoned_weights
+
+
+def test_a_finished_run_writes_its_summary_before_it_lets_go_of_the_directory(make_cfg, monkeypatch):
+    """A run waiting for the claim (a retried job) looks for the summary as soon as it gets the
+    directory: the summary must be there by then, or it would train the finished run again."""
+    from rlscale.ckpt import claim
+
+    cfg = make_cfg(*TINY_RUN, "grpo.max_num_steps=1")
+    seen = []
+    release = claim.release
+
+    def recording_release(token):
+        seen.append((cfg.checkpoint_dir.parent / "run" / "summary.json").exists())
+        release(token)
+
+    monkeypatch.setattr(claim, "release", recording_release)
+    train(cfg)
+    assert seen and all(seen)

@@ -187,6 +187,33 @@ def test_which_lock_notes_name_another_machine(monkeypatch):
     assert claim._held_elsewhere("pid 7 on pod-b, boot boot-here")
 
 
+def test_a_holder_caught_before_its_note_is_looked_at_again(tmp_path):
+    """A holder between its lock and its note leaves an empty note: the claim looks again, finds a
+    live run on this machine and refuses it as such, without claiming it waited out claim_wait_s."""
+    import subprocess
+    import sys
+
+    from rlscale.ckpt import claim
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time\nfrom rlscale.ckpt.claim import _holder_note\n"
+         "f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); print('LOCKED', flush=True)\n"
+         "time.sleep(0.5); f.write(_holder_note() + '\\n'); f.flush(); time.sleep(30)", str(tmp_path / claim.LOCK_NAME)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().startswith("LOCKED")
+        import time
+
+        start = time.monotonic()
+        with pytest.raises(UserError) as refused:
+            claim.claim(tmp_path, wait_s=300, poll_s=0.2)
+        assert time.monotonic() - start < 60  # refused once the note named this machine, not after 300 s
+        assert "in use by another run (pid" in str(refused.value) and "after waiting" not in str(refused.value)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_run_that_waited_for_the_claim_is_told_so(make_cfg):
     """The directory's contents may have changed during the wait (the holder's last save): prepare
     says it waited, and the controller then chooses its resume step again."""
