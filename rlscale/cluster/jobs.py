@@ -190,6 +190,24 @@ def _secret_reason(key: str, value: str, extra: tuple[str, ...] = ()) -> str | N
     return None
 
 
+def pip_secret_reason(entry: str, extra: tuple[str, ...] = ()) -> str | None:
+    """Why a pip requirement looks like it carries a secret (a token, a URL with a password), or None."""
+    reason = _secret_reason("--pip", entry, extra)
+    if reason is None and "://" in entry and urlsplit(entry.split("+", 1)[-1]).password:
+        reason = "its URL carries a password"
+    return reason
+
+
+def override_secret_reason(text: str, extra: tuple[str, ...] = ()) -> str | None:
+    """Why a `key=value` override looks like a secret, or None."""
+    key, _, value = text.partition("=")
+    return _secret_reason(key.strip().lstrip("+"), value, extra)
+
+
+def env_secret_reason(key: str, value: str) -> str | None:
+    return _secret_reason(key, value)
+
+
 def _refuse_secret(what: str, reason: str) -> UserError:
     return UserError(f"{what}: {reason}; secrets never travel with a job (they would be readable through "
                      "the jobs API): on the cluster HF_TOKEN and WANDB_API_KEY come from the Kubernetes Secret "
@@ -199,8 +217,7 @@ def _refuse_secret(what: str, reason: str) -> UserError:
 def check_no_secrets(overrides: list[str], env_pairs: dict[str, str], config_text: str | None,
                      extra: tuple[str, ...] = ()) -> None:
     for text in overrides:
-        key, _, value = text.partition("=")
-        reason = _secret_reason(key.strip().lstrip("+"), value, extra)
+        reason = override_secret_reason(text, extra)
         if reason:
             raise _refuse_secret("refusing the override", reason)
     for key, value in env_pairs.items():
@@ -324,9 +341,7 @@ def build_submission(working_dir: Path, config: Path | None, overrides: list[str
         if not entry.strip() or entry.lstrip().startswith("-"):
             raise UserError(f"--pip entry {number} is {'empty' if not entry.strip() else 'an option'}: "
                             "give a package (a name, a wheel path or a URL)")
-        reason = _secret_reason("--pip", entry, extra)
-        if reason is None and "://" in entry and urlsplit(entry.split("+", 1)[-1]).password:
-            reason = "its URL carries a password"
+        reason = pip_secret_reason(entry, extra)
         if reason:  # the entry itself is not repeated: it holds the secret
             raise _refuse_secret(f"refusing --pip entry {number}", reason)
     if pip:

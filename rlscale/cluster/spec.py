@@ -265,6 +265,27 @@ class ClusterSpec(_Section):
         return out
 
     @model_validator(mode="after")
+    def _no_secret_values(self):
+        """Every value here is written into the manifests in plain text (pod env, the RayJob's
+        entrypoint and runtime env): the same checks as `rlscale job submit`."""
+        from rlscale.cluster.jobs import env_secret_reason, override_secret_reason, pip_secret_reason
+
+        keep = "; keep secrets in the Kubernetes Secret (secret.required_keys / secret.optional_keys)"
+        for key, value in self.env.items():
+            reason = env_secret_reason(key, value)
+            if reason:
+                raise ValueError(f"key 'env': {reason}{keep}")
+        for number, text in enumerate(self.job.overrides, start=1):
+            reason = override_secret_reason(text)
+            if reason:
+                raise ValueError(f"key 'job.overrides' (entry {number}): {reason}{keep}")
+        for number, entry in enumerate(self.job.pip, start=1):
+            reason = pip_secret_reason(entry)
+            if reason:
+                raise ValueError(f"key 'job.pip' (entry {number}): {reason}{keep}")
+        return self
+
+    @model_validator(mode="after")
     def _consistent(self):
         for key in self.secret.required_keys + self.secret.optional_keys:
             if key in self.env:

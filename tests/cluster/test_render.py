@@ -243,6 +243,26 @@ def test_a_secret_cannot_be_put_in_plain_env():
         cluster_spec_from_dict({"env": {"MY_API_KEY": "x"}})
 
 
+@pytest.mark.parametrize("tree,key", [
+    ({"env": {"MY_VAR": "hf_abcdefghijklmnopqrstuvwxyz123"}}, "'env'"),
+    ({"job": {"overrides": ["policy.model_name=hf_abcdefghijklmnopqrstuvwxyz123"]}}, "'job.overrides' (entry 1)"),
+    ({"job": {"pip": ["rlscale", "https://user:hunter2secret@pypi.example/rlscale.whl"]}}, "'job.pip' (entry 2)"),
+])
+def test_secret_values_are_refused_before_they_reach_a_manifest(tree, key, tmp_path):
+    # every value of the cluster file is written into the manifests in plain text
+    with pytest.raises(UserError) as refused:
+        cluster_spec_from_dict(tree)
+    message = str(refused.value)
+    assert key in message and "Kubernetes Secret" in message and "hunter2" not in message
+    assert "\n" not in message
+
+
+def test_a_value_equal_to_a_local_secret_is_refused(monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-value-123")
+    with pytest.raises(UserError, match="'env'.*WANDB_API_KEY"):
+        cluster_spec_from_dict({"env": {"LOGGING_TARGET": "wandb-secret-value-123"}})
+
+
 # ------------------------------------------------------------------ bad input
 
 
