@@ -201,9 +201,9 @@ class CheckpointingConfig(_Section):
         "and said so); never = start fresh (refused while checkpoint_dir holds committed steps: nothing is "
         "deleted); a step_N path = resume from that step (verified). YAML true/false = auto/never")
     preemption_grace_s: float = Field(
-        30.0, gt=0.0, allow_inf_nan=False,
+        15.0, gt=0.0, allow_inf_nan=False,
         description="on SIGTERM/SIGINT: take an emergency save only if the last save's durable time fits "
-        "in this many seconds since the signal (GKE spot gives about 30)")
+        "in this many seconds since the signal (a GKE spot node gives non-system pods 15)")
     checkpoint_must_save_by: str | None = Field(
         None, description="wall-clock budget from the start, DD:HH:MM:SS (as in NeMo-RL): save and exit "
         "(code 75) before one more step and its save would pass it; null = no deadline")

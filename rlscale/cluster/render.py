@@ -10,6 +10,7 @@ through `secretKeyRef`, so they stay out of manifests, runtime envs and the Ray 
 from __future__ import annotations
 
 import copy
+import math
 import os
 import shlex
 from pathlib import Path
@@ -56,6 +57,37 @@ def _mounts(spec: ClusterSpec) -> list[dict[str, Any]]:
             {"name": "dshm", "mountPath": "/dev/shm"}]
 
 
+# The head pod's preStop hook. Kubernetes stops a pod by SIGTERM to its main process, which on the
+# head is `ray start --block`: Ray then kills its processes, and the job's driver (`rlscale train`,
+# started by Ray's job supervisor) would die without the SIGTERM that makes it finish its step and
+# save. The hook runs first: it sends the driver SIGTERM and waits for it to exit (within
+# terminationGracePeriodSeconds); only then does the pod's main process get its own. Plain Python
+# reading /proc: the image need not have procps, nor rlscale outside the job's runtime env. Its
+# argument is the program name to look for (`rlscale`, run as `rlscale train` or `python -m rlscale.cli train`).
+HEAD_PRE_STOP = """\
+import os, signal, sys, time
+name = sys.argv[1].encode()
+def drivers():
+    found = []
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            words = open('/proc/%s/cmdline' % pid, 'rb').read().split(b'\\0')
+        except OSError:
+            continue
+        named = any(w.endswith(b'/' + name) or w in (name, name + b'.cli') for w in words)
+        if named and b'train' in words:
+            found.append(int(pid))
+    return found
+for pid in drivers():
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except OSError:
+        pass
+while drivers():
+    time.sleep(0.5)
+"""
+
+
 def _pod(spec: ClusterSpec, container: dict[str, Any]) -> dict[str, Any]:
     return {
         "metadata": {"labels": _labels(spec)},
@@ -88,6 +120,8 @@ def ray_cluster_spec(spec: ClusterSpec) -> dict[str, Any]:
                       "requests": {"cpu": head.cpu_request, "memory": head.memory_request}},
         "env": _env(spec),
         "volumeMounts": _mounts(spec),
+        # the driver runs here: signal it before Ray's own shutdown (HEAD_PRE_STOP)
+        "lifecycle": {"preStop": {"exec": {"command": ["python", "-c", HEAD_PRE_STOP, "rlscale"]}}},
     }
     per_node = {"cpu": worker.cpu, "memory": worker.memory, "nvidia.com/gpu": str(spec.gpus_per_node)}
     worker_container = {
@@ -143,7 +177,13 @@ def entrypoint(spec: ClusterSpec) -> str:
 
 def runtime_env(spec: ClusterSpec) -> dict[str, Any]:
     """Plain settings only: secrets reach the processes from the pods' env (secretKeyRef)."""
+    from rlscale.config import load_config
+
     env: dict[str, Any] = {"env_vars": dict(spec.env)}
+    # a stopped Ray job (the RayJob deleted or suspended) gets SIGKILL this long after its SIGTERM
+    # (3 s by default): the run's grace to finish its step and save, as `rlscale job submit` sets it
+    grace = load_config(None, spec.job.overrides).checkpointing.preemption_grace_s
+    env["env_vars"].setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(math.ceil(grace) + 15))
     if spec.job.pip:
         env["pip"] = list(spec.job.pip)
     return env
@@ -158,6 +198,7 @@ def rayjob(spec: ClusterSpec) -> dict[str, Any]:
             "entrypoint": entrypoint(spec),
             "runtimeEnvYAML": yaml.safe_dump(runtime_env(spec), sort_keys=False),
             "shutdownAfterJobFinishes": spec.job.shutdown_after_finish,
+            "backoffLimit": spec.job.backoff_limit,  # a preempted run is run again: it resumes
             "ttlSecondsAfterFinished": spec.job.ttl_seconds_after_finished,
             "submissionMode": "K8sJobMode",
             "rayClusterSpec": cluster_spec,

@@ -155,6 +155,8 @@ class JobSpec(_Section):
     ], description="`rlscale train` overrides; cluster.num_nodes/gpus_per_node come from this file")
     pip: list[str] = Field(default_factory=list, description="runtime-env pip packages (e.g. rlscale) when the image lacks them")
     shutdown_after_finish: bool = Field(True, description="RayJob: delete the cluster when the job ends")
+    backoff_limit: int = Field(3, ge=0, description="RayJob: runs again after a failure (a preempted node, a lost "
+                               "worker); each run resumes from the newest intact checkpoint")
     ttl_seconds_after_finished: int = Field(600, ge=0, description="RayJob: keep the cluster this long after the end")
 
     @field_validator("name")
@@ -196,8 +198,9 @@ class ClusterSpec(_Section):
     num_nodes: int = Field(8, ge=1, description="GPU worker pods (replicas = min = max)")
     gpus_per_node: int = Field(8, ge=1, description="GPUs per worker pod")
     termination_grace_period_s: int = Field(
-        45, ge=0, description="terminationGracePeriodSeconds of every Ray pod: SIGTERM to SIGKILL; the default is "
-        "checkpointing.preemption_grace_s (30) + 15 s for the commit and exit")
+        30, ge=0, description="terminationGracePeriodSeconds of every Ray pod: SIGTERM to SIGKILL; the default is "
+        "checkpointing.preemption_grace_s (15) + 15 s for the commit and exit (a GKE spot node gives non-system "
+        "pods 15 s whatever this says, unless its node pool's graceful-shutdown period is raised)")
     head: HeadResources = Field(default_factory=HeadResources)
     worker: WorkerResources = Field(default_factory=WorkerResources)
     node_selector: dict[str, str] = Field(
@@ -297,11 +300,26 @@ class ClusterSpec(_Section):
                                  "the port the PodMonitoring scrapes; set ports.metrics instead")
         from rlscale.config import load_config
 
-        grace = load_config(None, self.job.overrides).checkpointing.preemption_grace_s
+        run = load_config(None, self.job.overrides)
+        grace = run.checkpointing.preemption_grace_s
         if grace >= self.termination_grace_period_s:
             raise ValueError(f"key 'termination_grace_period_s': {self.termination_grace_period_s} s does not leave "
                              f"the job's checkpointing.preemption_grace_s ({grace:g} s) time to commit; make it larger")
+        # what must outlive a pod lives on the shared volume: a pod's own disk goes with the pod
+        shared = Path(self.storage.mount_path)
+        if run.checkpointing.enabled and not _under(run.checkpoint_dir, shared):
+            raise ValueError(f"key 'job.overrides': the checkpoint directory {str(run.checkpoint_dir)!r} is not on the "
+                             f"shared volume ({self.storage.mount_path}, storage.mount_path): checkpoints there die "
+                             "with the head pod; set checkpointing.checkpoint_dir under it")
+        hf_home = self.env.get("HF_HOME")
+        if hf_home and not _under(Path(hf_home), shared):
+            raise ValueError(f"key 'env': HF_HOME={hf_home!r} is not on the shared volume ({self.storage.mount_path}, "
+                             "storage.mount_path): every pod would download the model again")
         return self
+
+
+def _under(path: Path, root: Path) -> bool:
+    return path.is_absolute() and ".." not in path.parts and (path == root or root in path.parents)
 
 
 def cluster_spec_from_dict(tree: dict[str, Any] | None) -> ClusterSpec:

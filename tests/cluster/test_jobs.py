@@ -373,7 +373,7 @@ def test_the_config_must_travel_with_the_upload(tmp_path):
     assert submission["entrypoint"] == "rlscale train --config 'conf/my run.yaml' 'data.prompt_template=Q: {problem}'"
     assert submission["runtime_env"]["env_vars"] == {
         "HF_HOME": "/lustre/hf", "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
-        "RAY_JOB_STOP_WAIT_TIME_S": "45"}  # Ray's SIGKILL waits for the default 30 s grace + 15
+        "RAY_JOB_STOP_WAIT_TIME_S": "30"}  # Ray's SIGKILL waits for the default 15 s grace + 15
     (tmp_path / "wd" / ".rayignore").write_text("conf/\n")
     with pytest.raises(UserError, match=r"\.rayignore excludes it"):
         build_submission(tmp_path / "wd", tmp_path / "wd" / "conf" / "my run.yaml", [], {}, "", "")

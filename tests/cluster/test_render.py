@@ -173,7 +173,7 @@ def test_defaults_reproduce_the_seed_cluster(rendered):
         assert env["HF_HOME"] == "/lustre/huggingface_cache"
         assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "eth0"
         assert {p["name"]: p["containerPort"] for p in container["ports"]}["rlscale-metrics"] == 9464
-        assert pod["terminationGracePeriodSeconds"] == 45  # the 30 s of preemption_grace_s, plus the commit
+        assert pod["terminationGracePeriodSeconds"] == 30  # the 15 s of preemption_grace_s, plus the commit
 
 
 def test_the_grace_period_reaches_every_pod_and_covers_the_run_s_preemption_grace():
@@ -196,6 +196,46 @@ def test_rayjob_embeds_the_same_cluster_and_runs_rlscale(rendered):
     runtime_env = yaml.safe_load(rj["spec"]["runtimeEnvYAML"])
     assert runtime_env["env_vars"]["HF_HOME"] == "/lustre/huggingface_cache"
     assert not set(runtime_env["env_vars"]) & set(SENTINELS)
+    # a stopped job's driver gets its grace before Ray's SIGKILL; a failed run (a preempted node) runs
+    # again and resumes
+    assert runtime_env["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == "30"
+    assert rj["spec"]["backoffLimit"] == 3
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["lifecycle"]["preStop"]["exec"]["command"][-1] == "rlscale"
+    assert all("lifecycle" not in g["template"]["spec"]["containers"][0] for g in rc["spec"]["workerGroupSpecs"])
+
+
+def test_the_head_pre_stop_hook_signals_the_driver_and_waits_for_it_to_exit(tmp_path):
+    """Kubernetes runs it before the SIGTERM to `ray start`, which would kill the driver unsignalled.
+    A unique program name here, so that no other run on this machine is signalled."""
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    from rlscale.cluster.render import HEAD_PRE_STOP
+
+    name = f"rlscale-prestop-{uuid.uuid4().hex[:8]}"
+    program = tmp_path / "bin" / name
+    program.parent.mkdir()
+    program.write_text("import signal, sys, time\n"
+                       "def stop(*_):\n    time.sleep(1.0); open(sys.argv[2], 'w').write('saved'); sys.exit(143)\n"
+                       "signal.signal(signal.SIGTERM, stop)\nprint('UP', flush=True)\ntime.sleep(60)\n")
+    marker = tmp_path / "saved"
+    driver = subprocess.Popen([sys.executable, str(program), "train", str(marker)], stdout=subprocess.PIPE, text=True)
+    bystander = subprocess.Popen([sys.executable, str(program), "eval", str(tmp_path / "no")],
+                                 stdout=subprocess.PIPE, text=True)  # not a `train`: left alone
+    try:
+        assert driver.stdout.readline() == "UP\n" and bystander.stdout.readline() == "UP\n"
+        start = time.monotonic()
+        subprocess.run([sys.executable, "-c", HEAD_PRE_STOP, name], check=True, timeout=60)
+        assert time.monotonic() - start >= 0.9  # it waited for the driver's save
+        assert marker.read_text() == "saved" and driver.wait(timeout=10) == 143
+        assert bystander.poll() is None
+    finally:
+        for process in (driver, bystander):
+            process.kill()
+            process.wait()
 
 
 def test_podmonitoring_selects_the_ray_pods_and_scrapes_the_metrics_port(rendered):
@@ -292,7 +332,12 @@ def test_a_value_equal_to_a_local_secret_is_refused(monkeypatch):
     ({"job": {"overrides": ["cluster.num_nodes=4"]}}, "job.overrides"),
     ({"monitoring": {"interval": "often"}}, "monitoring.interval"),
     ({"job": {"overrides": ["logger.prometheus_port=9000"]}}, "job.overrides"),
-    ({"termination_grace_period_s": 30}, "termination_grace_period_s"),  # no more than preemption_grace_s
+    ({"termination_grace_period_s": 15}, "termination_grace_period_s"),  # no more than preemption_grace_s
+    ({"storage": {"mount_path": "/mnt/lustre"}}, "job.overrides"),  # the checkpoints would leave the volume
+    ({"job": {"overrides": ["checkpointing.checkpoint_dir=/tmp/ck"]}}, "job.overrides"),
+    ({"job": {"overrides": ["logger.log_dir=runs/x"]}}, "job.overrides"),  # checkpoints under a relative dir
+    ({"job": {"overrides": ["checkpointing.checkpoint_dir=/lustre/../tmp/ck"]}}, "job.overrides"),
+    ({"env": {"HF_HOME": "/root/.cache/huggingface"}}, "env"),
     ({"termination_grace_period_s": 60, "job": {"overrides": ["checkpointing.preemption_grace_s=90"]}},
      "termination_grace_period_s"),
     ({"gpu_per_node": 8}, "gpu_per_node"),
