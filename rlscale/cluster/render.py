@@ -102,9 +102,13 @@ def _pod(spec: ClusterSpec, container: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _metrics_ports(spec: ClusterSpec) -> list[dict[str, Any]]:
-    return [{"name": "metrics", "containerPort": spec.ports.ray_metrics, "protocol": "TCP"},
-            {"name": METRICS_PORT_NAME, "containerPort": spec.ports.metrics, "protocol": "TCP"}]
+def _metrics_ports(spec: ClusterSpec, driver: bool) -> list[dict[str, Any]]:
+    """Ray's metrics port on every pod; rlscale's only where its driver serves it (the head), so
+    the PodMonitoring has no worker targets that are always down."""
+    ports = [{"name": "metrics", "containerPort": spec.ports.ray_metrics, "protocol": "TCP"}]
+    if driver:
+        ports.append({"name": METRICS_PORT_NAME, "containerPort": spec.ports.metrics, "protocol": "TCP"})
+    return ports
 
 
 def ray_cluster_spec(spec: ClusterSpec) -> dict[str, Any]:
@@ -115,7 +119,7 @@ def ray_cluster_spec(spec: ClusterSpec) -> dict[str, Any]:
         "image": spec.image,
         "ports": [{"name": "gcs-server", "containerPort": p.gcs, "protocol": "TCP"},
                   {"name": "dashboard", "containerPort": p.dashboard, "protocol": "TCP"},
-                  {"name": "client", "containerPort": p.client, "protocol": "TCP"}] + _metrics_ports(spec),
+                  {"name": "client", "containerPort": p.client, "protocol": "TCP"}] + _metrics_ports(spec, True),
         "resources": {"limits": {"cpu": head.cpu_limit, "memory": head.memory_limit},
                       "requests": {"cpu": head.cpu_request, "memory": head.memory_request}},
         "env": _env(spec),
@@ -127,7 +131,7 @@ def ray_cluster_spec(spec: ClusterSpec) -> dict[str, Any]:
     worker_container = {
         "name": "ray-worker",
         "image": spec.image,
-        "ports": _metrics_ports(spec),
+        "ports": _metrics_ports(spec, False),
         "resources": {"limits": dict(per_node), "requests": dict(per_node)},
         "env": _env(spec),
         "volumeMounts": _mounts(spec),
@@ -254,7 +258,7 @@ Rendered by `rlscale cluster render`. No secret value is in these files.
 
        kubectl apply -f raycluster.yaml -f podmonitoring.yaml
        kubectl -n {ns} port-forward service/{svc} {spec.ports.dashboard}:{spec.ports.dashboard}
-       rlscale job submit --address http://localhost:{spec.ports.dashboard} ...
+       rlscale job submit --address http://localhost:{spec.ports.dashboard} logger.prometheus_port={spec.ports.metrics} ...
 
    or run one job on a cluster made for it (deleted {spec.job.ttl_seconds_after_finished}s after it ends):
 

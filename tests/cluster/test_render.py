@@ -157,7 +157,10 @@ def test_defaults_reproduce_the_seed_cluster(rendered):
     hc = head["template"]["spec"]["containers"][0]
     wc = worker["template"]["spec"]["containers"][0]
     head_ports = {p["name"]: p["containerPort"] for p in hc["ports"]}
-    assert head_ports.items() >= {"gcs-server": 6379, "dashboard": 8265, "client": 10001}.items()
+    assert head_ports.items() >= {"gcs-server": 6379, "dashboard": 8265, "client": 10001,
+                                  "rlscale-metrics": 9464}.items()
+    # rlscale's metrics are served by the driver, on the head: no always-down worker targets
+    assert "rlscale-metrics" not in {p["name"] for p in wc["ports"]}
     assert hc["resources"] == {"limits": {"cpu": "32", "memory": "1000Gi"}, "requests": {"cpu": "8", "memory": "64Gi"}}
     per_node = {"cpu": "100", "memory": "1000Gi", "nvidia.com/gpu": "8"}
     assert wc["resources"] == {"limits": per_node, "requests": per_node}
@@ -172,7 +175,7 @@ def test_defaults_reproduce_the_seed_cluster(rendered):
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["HF_HOME"] == "/lustre/huggingface_cache"
         assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "eth0"
-        assert {p["name"]: p["containerPort"] for p in container["ports"]}["rlscale-metrics"] == 9464
+        assert {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"] == 8080
         assert pod["terminationGracePeriodSeconds"] == 30  # the 15 s of preemption_grace_s, plus the commit
 
 
@@ -246,7 +249,9 @@ def test_podmonitoring_selects_the_ray_pods_and_scrapes_the_metrics_port(rendere
         labels = group["template"]["metadata"]["labels"]
         assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
         ports = {p["name"] for p in group["template"]["spec"]["containers"][0]["ports"]}
-        assert {e["port"] for e in pm["spec"]["endpoints"]} <= ports
+        assert {e["port"] for e in pm["spec"]["endpoints"]} & ports  # each pod has a port it scrapes
+    head_ports = {p["name"] for p in rc["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert {e["port"] for e in pm["spec"]["endpoints"]} <= head_ports
     assert {"port": "rlscale-metrics", "path": "/metrics", "interval": "30s"} in pm["spec"]["endpoints"]
 
 
