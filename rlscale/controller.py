@@ -127,8 +127,42 @@ def validate(cfg: Config, group, problems, scorer) -> EvalResult:
                     sampling_params(cfg, temperature=cfg.grpo.val_temperature), k=1)
 
 
+# settings a resumed run is expected to change: the horizon, where and how it saves and logs
+_RESUME_MAY_CHANGE = ("grpo.max_num_steps", "checkpointing.", "logger.")
+
+
+def _flat(tree, prefix: str = "") -> dict[str, object]:
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}{key}."))
+    return out
+
+
+def config_changes(step_dir: Path, cfg: Config, shown: int = 4) -> str | None:
+    """A note naming the settings that differ from those the step was saved with (other than the
+    horizon, saving and logging), or None: a run resumed with another batch size or model (the same
+    directory reused by another job, say) should not pass unnoticed."""
+    import yaml
+
+    try:
+        saved = _flat(yaml.safe_load((Path(step_dir) / "config.yaml").read_text(encoding="utf-8")))
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    now = _flat(cfg.to_dict())
+    changed = [key for key in sorted(set(saved) | set(now))
+               if saved.get(key) != now.get(key) and not key.startswith(_RESUME_MAY_CHANGE)]
+    if not changed:
+        return None
+    listed = ", ".join(f"{key} {saved.get(key)!r} -> {now.get(key)!r}" for key in changed[:shown])
+    more = f" (and {len(changed) - shown} more)" if len(changed) > shown else ""
+    return (f"resuming {Path(step_dir).name}, saved with other settings: {listed}{more}; "
+            "to start afresh instead, give this run its own logger.log_dir")
+
+
 def resume_or_start(choice: ResumeChoice | None, checkpointer: Checkpointer, group,
-                    loader: PromptLoader) -> tuple[TrainerState, str | None, list[str]]:
+                    loader: PromptLoader, cfg: Config | None = None) -> tuple[TrainerState, str | None, list[str]]:
     """Restore the checkpoint `checkpointing.resume` picked (see rlscale/ckpt/resume.py; None:
     checkpointing is off); returns the state, the step dir resumed from (None: a fresh start) and
     lines worth telling the user."""
@@ -139,7 +173,8 @@ def resume_or_start(choice: ResumeChoice | None, checkpointer: Checkpointer, gro
     state = TrainerState(**checkpointer.load(choice.path, group))
     loader.load_state_dict(state.loader)
     set_aside_newer(checkpointer.root, choice)  # only once the chosen step has loaded
-    return state, str(choice.path), choice.notes()
+    changes = config_changes(choice.path, cfg) if cfg is not None else None
+    return state, str(choice.path), choice.notes() + ([changes] if changes else [])
 
 
 def _remove_if_empty(directories: list[Path]) -> None:
@@ -224,7 +259,7 @@ def train(cfg: Config) -> dict:
                     return _already_finished(cfg, choice, finished)
         group = make_worker_group(cfg)
         cleanup.callback(group.shutdown)
-        state, resumed_from, notes = resume_or_start(choice, checkpointer, group, loader)
+        state, resumed_from, notes = resume_or_start(choice, checkpointer, group, loader, cfg)
         cleanup.callback(checkpointer.close)  # runs before shutdown: in-flight saves finish first
         # work is left: an older summary here (a shorter run, or the steps this one takes again)
         # must not pass for this run's if it stops before writing its own

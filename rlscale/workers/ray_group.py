@@ -59,7 +59,10 @@ def connect(cfg: Config) -> None:
             world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
             wanted = world * cfg.cluster.cpus_per_worker + cfg.rewards.ray_actors * cfg.rewards.num_workers
             cpus = max(os.cpu_count() or 1, wanted)
-            ray.init(num_cpus=cpus, runtime_env=runtime_env, include_dashboard=False, log_to_driver=True)
+            # "local": a fresh Ray instance of this run's own, never a cluster that `ray start` left
+            # on this machine (Ray would join that one, or fail on a stale record of it)
+            ray.init(address="local", num_cpus=cpus, runtime_env=runtime_env, include_dashboard=False,
+                     log_to_driver=True)
     except ConnectionError as exc:
         raise UserError(f"cluster.address {address!r}: cannot connect to Ray ({exc})") from None
 

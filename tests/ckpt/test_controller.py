@@ -68,3 +68,19 @@ def test_a_finished_run_writes_its_summary_before_it_lets_go_of_the_directory(ma
     monkeypatch.setattr(claim, "release", recording_release)
     train(cfg)
     assert seen and all(seen)
+
+
+def test_a_resume_with_other_settings_names_them(make_cfg, capsys):
+    """The same directory resumed by a run with other settings (another job sharing a relative run
+    dir, say) is said so, naming the settings; a longer horizon or other logging is not news."""
+    from rlscale.controller import config_changes
+
+    train(make_cfg(*TINY_RUN, "grpo.max_num_steps=1"))
+    step = make_cfg(*TINY_RUN).checkpoint_dir / "step_1"
+    assert config_changes(step, make_cfg(*TINY_RUN, "grpo.max_num_steps=5", "logger.progress=true")) is None
+    note = config_changes(step, make_cfg(*TINY_RUN, "policy.optimizer.lr=0.5", "grpo.seed=7"))
+    assert note.startswith("resuming step_1, saved with other settings: ")
+    assert "grpo.seed 42 -> 7" in note and "policy.optimizer.lr 0.0002 -> 0.5" in note
+    capsys.readouterr()
+    train(make_cfg(*TINY_RUN, "grpo.max_num_steps=2", "policy.optimizer.lr=0.5"))
+    assert "saved with other settings: policy.optimizer.lr 0.0002 -> 0.5;" in capsys.readouterr().err
