@@ -310,6 +310,7 @@ class Run:
         self.val_step: int | None = None  # the step state.last_val was measured at, in this invocation
         self.step_estimate_s: float | None = None  # the longest step of this invocation
         self.save_estimate_s: float | None = None  # the longest save, snapshot start to commit
+        self.reward_failures_noted = False
 
     def loop(self, progress: ProgressDisplay, resumed_from: str | None) -> dict | None:
         """The GRPO loop, top to bottom. Returns the held-out metrics after training."""
@@ -342,6 +343,10 @@ class Run:
             self.abandon_step_if_stopping()
             with timer.section("reward"):
                 scores = self.scorer.score(rollouts.texts, answers)
+            failures = scores.check(cfg.rewards.function, f"step {step}")  # raises when every sample failed
+            if failures and not self.reward_failures_noted:  # once a run: the metric counts every step's
+                progress.print(failures)
+                self.reward_failures_noted = True
             self.abandon_step_if_stopping()
             rewards = torch.tensor(scores.rewards).view(P, G)
             advantages = group_advantages(rewards, cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards)

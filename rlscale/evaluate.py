@@ -47,7 +47,9 @@ def evaluate(group, problems: list[Problem], scorer, params: SamplingParams, k: 
         for rollouts in group.run_all("generate", [(shard, params) for shard in shards]):
             responses += rollouts.texts
             lengths += [len(r) for r in rollouts.response_ids]
-    rewards = scorer.score(responses, answers).rewards
+    scores = scorer.score(responses, answers)
+    scores.check(scorer.function, "the evaluation")  # raises when the reward function failed on every sample
+    rewards = scores.rewards
     correct_per_problem = [sum(is_correct(r) for r in rewards[i * k:(i + 1) * k]) for i in range(len(problems))]
     return EvalResult(
         accuracy=sum(correct_per_problem) / max(len(rewards), 1),

@@ -45,6 +45,7 @@ class RayRewardPool:
         import ray
 
         load_reward_function(function)  # a bad spec fails here, in one line, before any actor starts
+        self.function = function
         actor_cls = ray.remote(_RewardActor)
         self._ray = ray
         self.actors = [actor_cls.options(num_cpus=num_workers).remote(function, timeout_s, num_workers)

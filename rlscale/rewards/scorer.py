@@ -41,6 +41,17 @@ class ScoreResult:
     # time, which depends on worker scheduling), for the log
     first_error: str | None = None
 
+    def check(self, function: str, where: str) -> str | None:
+        """A line about the samples the reward function failed on (they score 0), or None when it
+        failed on none. Raises UserError when it failed on every sample: a run would train (or an
+        evaluation report) on nothing but zeros."""
+        if not self.num_errors:
+            return None
+        if self.num_errors >= len(self.rewards):
+            raise UserError(f"rewards.function {function!r} failed on every sample of {where}: {self.first_error}")
+        return (f"rewards.function {function!r} failed on {self.num_errors} of {len(self.rewards)} samples of "
+                f"{where}, scored 0 (the first: {self.first_error}); metric reward/errors counts them")
+
 
 # ---------------------------------------------------------------- worker process side
 

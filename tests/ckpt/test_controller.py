@@ -84,3 +84,15 @@ def test_a_resume_with_other_settings_names_them(make_cfg, capsys):
     capsys.readouterr()
     train(make_cfg(*TINY_RUN, "grpo.max_num_steps=2", "policy.optimizer.lr=0.5"))
     assert "saved with other settings: policy.optimizer.lr 0.0002 -> 0.5;" in capsys.readouterr().err
+
+
+def test_a_reward_function_that_fails_on_every_sample_stops_the_run_before_it_trains(make_cfg):
+    import pytest
+
+    from rlscale.errors import UserError
+
+    cfg = make_cfg(*TINY_RUN, "grpo.max_num_steps=2", "rewards.function=tests.rewards.user_rewards:returns_text")
+    with pytest.raises(UserError, match="rewards.function 'tests.rewards.user_rewards:returns_text' failed on "
+                                        "every sample of step 1: sample 0: reward must be a finite float"):
+        train(cfg)
+    assert not (cfg.checkpoint_dir / "step_1").exists()  # nothing trained on all-zero rewards was kept

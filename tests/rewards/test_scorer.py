@@ -140,3 +140,15 @@ def test_a_scorer_dropped_without_close_stops_its_workers():
     gc.collect()
     process.join(timeout=10)
     assert not process.is_alive()
+
+
+def test_a_failing_reward_function_is_reported_and_one_that_always_fails_stops_the_run():
+    from rlscale.rewards.scorer import ScoreResult
+
+    assert ScoreResult(rewards=[1.0, 0.0]).check("m:f", "step 3") is None
+    note = ScoreResult(rewards=[1.0, 0.0, 0.0], num_errors=2, first_error="sample 1: ValueError: boom").check(
+        "m:f", "step 3")
+    assert note == ("rewards.function 'm:f' failed on 2 of 3 samples of step 3, scored 0 "
+                    "(the first: sample 1: ValueError: boom); metric reward/errors counts them")
+    with pytest.raises(UserError, match=r"^rewards.function 'm:f' failed on every sample of step 3: sample 0: "):
+        ScoreResult(rewards=[0.0, 0.0], num_errors=2, first_error="sample 0: TypeError: x").check("m:f", "step 3")
