@@ -293,6 +293,7 @@ class RolloutEngine:
 
         start, capture_before_decode = time.perf_counter(), self.capture_s
         stopped_at: dict[int, int] = {}
+        settled: set[int] = set()  # sequences ended by eos whose text the stop strings have seen
         for step in range(1, max_new_tokens):
             # host arithmetic only: all slots advance together, so the span follows from the step
             needed = decode_span(longest, step, self.cache.max_length, self.span_bucket)
@@ -301,7 +302,7 @@ class RolloutEngine:
             run_step()
             if step % self.check_every == 0 or step == max_new_tokens - 1:
                 if stop_check is not None:
-                    self._apply_stop_strings(stop_check, count, step + 1, stopped_at)
+                    self._apply_stop_strings(stop_check, count, step + 1, stopped_at, settled)
                 if bool(st.done[:count].all()):
                     break
         self._sync()
@@ -309,17 +310,25 @@ class RolloutEngine:
                    "decode_s": time.perf_counter() - start - (self.capture_s - capture_before_decode)}
         return self._collect(count, max_new_tokens, eos_ids, ignore_eos, stopped_at, timings)
 
-    def _apply_stop_strings(self, stop_check, count: int, produced: int, stopped_at: dict[int, int]) -> None:
+    def _apply_stop_strings(self, stop_check, count: int, produced: int, stopped_at: dict[int, int],
+                            settled: set[int]) -> None:
+        """Cut each sequence at its first stop string. One that reached eos since the last check is
+        checked once more, on its text before the eos (a stop string before the eos still cuts)."""
         done = self.state.done[:count].tolist()
         rows = self.state.out_tokens[:count, :produced].tolist()
+        eos = set(self.state.eos.tolist())
         newly = []
         for i, (is_done, row) in enumerate(zip(done, rows)):
-            if i in stopped_at or is_done:
+            if i in stopped_at or i in settled:
                 continue
+            if is_done:
+                settled.add(i)
+                row = row[:next((j for j, token in enumerate(row) if token in eos), len(row))]
             cut = stop_check(i, row)
             if cut is not None:
                 stopped_at[i] = cut
-                newly.append(i)
+                if not is_done:
+                    newly.append(i)
         if newly:
             self.state.done[torch.tensor(newly, device=self.device)] = True
 

@@ -104,6 +104,30 @@ def test_sequences_end_at_eos_and_report_how_they_ended():
     assert out.tokens[0][-1] == eos and len(out.tokens[0]) <= 5
 
 
+def test_a_stop_string_before_eos_cuts_a_sequence_that_ended_between_two_checks():
+    # stop strings are looked for every check_every steps; a sequence that reached eos in between
+    # must still be cut at a stop string that came before its eos
+    model = make("qwen2")
+    prompts = ragged_prompts(3)
+    engine = RolloutEngine(model, torch.device("cpu"), torch.float32, max_length=128, check_every=16)
+    torch.manual_seed(5)  # sampled (greedy rows of this model repeat one token); the same draws each time
+    free = engine.generate(prompts, 12, SamplingMode(1.0), [1], 0, ignore_eos=True).tokens
+    # sequence 0: its first two distinct tokens are the stop token and, later, the eos (both before
+    # the first check, at step 16)
+    firsts = sorted({token: free[0].index(token) for token in free[0]}.items(), key=lambda item: item[1])
+    (stop, at), (eos, _) = firsts[0], firsts[1]
+
+    def stop_check(index, row):
+        return row.index(stop) + 1 if stop in row else None
+
+    torch.manual_seed(5)
+    out = engine.generate(prompts, 12, SamplingMode(1.0), eos_ids=[eos], pad_id=0, stop_check=stop_check)
+    assert out.tokens[0] == free[0][:at + 1] and out.stopped[0]
+    for row_free, row in zip(free[1:], out.tokens[1:]):  # the others: cut at whichever comes first
+        ends = [row_free.index(t) + 1 for t in (eos, stop) if t in row_free]
+        assert row == row_free[:min(ends, default=len(row_free))]
+
+
 def test_stop_strings_cut_at_the_token_that_completes_the_string():
     from rlscale.models import load_tokenizer
 
