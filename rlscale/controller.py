@@ -94,7 +94,7 @@ def generate_rollouts(group, texts: list[str], params: SamplingParams) -> Rollou
     shards = split_evenly(texts, group.world_size)
     parts = group.run_all("generate", [(shard, params, True) for shard in shards])  # the update follows
     return Rollouts(*(sum((getattr(p, name) for p in parts), []) for name in
-                      ("prompt_ids", "response_ids", "texts", "truncated", "logprobs")))
+                      ("prompt_ids", "response_ids", "texts", "truncated", "logprobs", "prompt_cut")))
 
 
 def train_on_rollouts(cfg: Config, group, rollouts: Rollouts, advantages: list[float], step: int,
@@ -210,7 +210,15 @@ def sample_metrics(rollouts: Rollouts, rewards: torch.Tensor, scores) -> dict[st
         "grpo/zero_std_groups": float((rewards.std(dim=1) == 0).float().mean()),
         "response/length_mean": sum(len(r) for r in rollouts.response_ids) / len(rollouts.response_ids),
         "response/truncated_fraction": sum(rollouts.truncated) / len(rollouts.truncated),
+        "prompt/cut_fraction": sum(rollouts.prompt_cut) / max(len(rollouts.prompt_cut), 1),
     }
+
+
+def prompt_cut_note(cfg: Config, step: int, rollouts: Rollouts) -> str:
+    room = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
+    return (f"step {step}: {sum(rollouts.prompt_cut)} of {len(rollouts.prompt_cut)} prompts were longer than the "
+            f"{room} tokens left for them (policy.max_total_sequence_length - policy.generation.max_new_tokens) "
+            "and lost their beginning; raise policy.max_total_sequence_length (metric prompt/cut_fraction)")
 
 
 def throughput_metrics(rollouts: Rollouts, step_s: float) -> dict[str, float]:
@@ -311,6 +319,7 @@ class Run:
         self.step_estimate_s: float | None = None  # the longest step of this invocation
         self.save_estimate_s: float | None = None  # the longest save, snapshot start to commit
         self.reward_failures_noted = False
+        self.prompt_cut_noted = False
 
     def loop(self, progress: ProgressDisplay, resumed_from: str | None) -> dict | None:
         """The GRPO loop, top to bottom. Returns the held-out metrics after training."""
@@ -343,6 +352,9 @@ class Run:
             self.abandon_step_if_stopping()
             with timer.section("reward"):
                 scores = self.scorer.score(rollouts.texts, answers)
+            if any(rollouts.prompt_cut) and not self.prompt_cut_noted:  # once a run; the metric counts each step's
+                progress.print(prompt_cut_note(cfg, step, rollouts))
+                self.prompt_cut_noted = True
             failures = scores.check(cfg.rewards.function, f"step {step}")  # raises when every sample failed
             if failures and not self.reward_failures_noted:  # once a run: the metric counts every step's
                 progress.print(failures)

@@ -14,16 +14,27 @@ class PromptRenderer:
         self.use_chat = prompt_format == "chat" or (prompt_format == "auto" and has_template)
         self.max_prompt_tokens = max_prompt_tokens
 
-    def render_all(self, texts: list[str]) -> list[list[int]]:
-        """`render` of each text; a GRPO batch repeats every prompt once per sample, so each
-        distinct text is rendered once (a chat template costs ~0.1 ms per call)."""
-        rendered: dict[str, list[int]] = {}
+    def render_all(self, texts: list[str]) -> tuple[list[list[int]], list[bool]]:
+        """`render` of each text, and whether each was cut to max_prompt_tokens; a GRPO batch
+        repeats every prompt once per sample, so each distinct text is rendered once (a chat
+        template costs ~0.1 ms per call)."""
+        rendered: dict[str, tuple[list[int], bool]] = {}
         for text in texts:
             if text not in rendered:
-                rendered[text] = self.render(text)
-        return [list(rendered[text]) for text in texts]
+                ids = self.render_whole(text)
+                rendered[text] = self.fit(ids), len(ids) > (self.max_prompt_tokens or len(ids))
+        return [list(rendered[text][0]) for text in texts], [rendered[text][1] for text in texts]
+
+    def fit(self, ids: list[int]) -> list[int]:
+        """At most max_prompt_tokens, the question's end kept (where it asks)."""
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            return ids[-self.max_prompt_tokens:]
+        return ids
 
     def render(self, text: str) -> list[int]:
+        return self.fit(self.render_whole(text))
+
+    def render_whole(self, text: str) -> list[int]:
         if self.use_chat:
             ids = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
@@ -34,8 +45,6 @@ class PromptRenderer:
             bos = self.tokenizer.bos_token_id
             if bos is not None and getattr(self.tokenizer, "add_bos_token", False):
                 ids = [bos] + ids
-        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
-            ids = ids[-self.max_prompt_tokens:]  # keep the question's end, where it asks
         return list(ids)
 
 

@@ -18,6 +18,9 @@ class Rollouts:
     texts: list[str]  # decoded responses, special tokens removed
     truncated: list[bool]  # stopped by max_new_tokens rather than eos/stop string
     logprobs: list[list[float]] = field(default_factory=list)  # per response token, from the sampler (engine only)
+    # the prompt was longer than the tokens left for it (policy.max_total_sequence_length minus
+    # max_new_tokens) and lost its beginning
+    prompt_cut: list[bool] = field(default_factory=list)
 
 
 @dataclass

@@ -6,6 +6,7 @@ group, in this process or in a Ray actor (one per GPU).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -115,10 +116,10 @@ class PolicyWorker(state_io.CheckpointableWorker):
             return self._generate(texts, params, update_follows)
 
     def _generate(self, texts: list[str], params: SamplingParams, update_follows: bool) -> Rollouts:
-        prompt_ids = self.renderer.render_all(texts)
+        prompt_ids, prompt_cut = self.renderer.render_all(texts)
         engine = self._rollout_engine()
         if engine is None:
-            return self._generate_hf(prompt_ids, params)
+            return dataclasses.replace(self._generate_hf(prompt_ids, params), prompt_cut=prompt_cut)
         tok = self.tokenizer
         with distributed.gathered(self.model, self.sharded, keep=update_follows):
             engine.sync_weights(self.model)  # in place, device to device; the engine then decodes alone
@@ -131,7 +132,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self.profiler.mark("engine generate")
         decoded = decode_responses(tok, out.tokens)
         return Rollouts(prompt_ids=prompt_ids, response_ids=out.tokens, texts=decoded,
-                        truncated=[not stopped for stopped in out.stopped], logprobs=out.logprobs)
+                        truncated=[not stopped for stopped in out.stopped], logprobs=out.logprobs,
+                        prompt_cut=prompt_cut)
 
     def _rollout_engine(self) -> RolloutEngine | None:
         """Built at the first generation; None when configured off or the model is not supported."""

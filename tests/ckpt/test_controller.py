@@ -96,3 +96,16 @@ def test_a_reward_function_that_fails_on_every_sample_stops_the_run_before_it_tr
                                         "every sample of step 1: sample 0: reward must be a finite float"):
         train(cfg)
     assert not (cfg.checkpoint_dir / "step_1").exists()  # nothing trained on all-zero rewards was kept
+
+
+def test_prompts_cut_to_fit_the_sequence_limit_are_reported(make_cfg, capsys):
+    cfg = make_cfg(*TINY_RUN, "grpo.max_num_steps=2", "policy.max_total_sequence_length=8")
+    train(cfg)
+    err = capsys.readouterr().err
+    assert "step 1: 4 of 4 prompts were longer than the 4 tokens left for them" in err
+    assert err.count("lost their beginning") == 1  # once a run; the metric has every step
+    rows = [json.loads(line) for line in (cfg.checkpoint_dir.parent / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["prompt/cut_fraction"] for row in rows if "prompt/cut_fraction" in row] == [1.0, 1.0]
+    assert train(make_cfg(*TINY_RUN, "grpo.max_num_steps=1", "logger.log_dir=" + str(cfg.checkpoint_dir.parent / "b"),
+                          "checkpointing.checkpoint_dir=" + str(cfg.checkpoint_dir.parent / "b" / "ck")))
+    assert "lost their beginning" not in capsys.readouterr().err  # with room to spare, nothing is cut

@@ -12,9 +12,9 @@ class CountingRenderer(PromptRenderer):
         super().__init__(*args, **kwargs)
         self.calls = 0
 
-    def render(self, text):
+    def render_whole(self, text):
         self.calls += 1
-        return super().render(text)
+        return super().render_whole(text)
 
 
 def test_render_all_renders_each_distinct_text_once_and_matches_render():
@@ -24,12 +24,21 @@ def test_render_all_renders_each_distinct_text_once_and_matches_render():
         renderer = CountingRenderer(tok)
         assert renderer.use_chat == (template is not None)
         texts = [text for text in ("12+7=", "3*4=", "100-1=") for _ in range(4)]
-        rendered = renderer.render_all(texts)
-        assert renderer.calls == 3
+        rendered, cut = renderer.render_all(texts)
+        assert renderer.calls == 3 and cut == [False] * len(texts)
         assert rendered == [PromptRenderer(tok).render(text) for text in texts]
         assert rendered[0] != rendered[4]
         rendered[0].append(-1)  # rows of one text are separate lists (callers may cut them)
         assert rendered[1] != rendered[0]
+
+
+def test_a_prompt_longer_than_its_room_keeps_its_end_and_is_reported_cut():
+    tok = load_tokenizer(str(ASSET))
+    whole = PromptRenderer(tok).render("123+456=")
+    renderer = PromptRenderer(tok, max_prompt_tokens=len(whole) - 3)
+    rendered, cut = renderer.render_all(["123+456=", "1+2="])
+    assert rendered[0] == whole[3:] and cut == [True, len(PromptRenderer(tok).render("1+2=")) > len(whole) - 3]
+    assert renderer.render("123+456=") == whole[3:]
 
 
 def bpe_tokenizer(clean_up: bool):
