@@ -129,7 +129,8 @@ def config_reference() -> None:
 
 @app.command()
 def sft(
-    out: Path = typer.Option(Path("rlscale/assets/tiny-arith"), "--out", help="output model directory"),
+    out: Optional[Path] = typer.Option(None, "--out", help="output model directory (default: the built-in "
+                                       "model's own, inside the installed package)"),
     steps: int = typer.Option(None, "--steps", min=1, help="optimizer steps"),
     slip_rate: float = typer.Option(None, "--slip-rate", min=0.0, max=1.0,
                                     help="share of carry problems shown with the carry forgotten"),
@@ -142,6 +143,10 @@ def sft(
     for name, value in (("steps", steps), ("slip_rate", slip_rate), ("seed", seed)):
         if value is not None:
             setattr(settings, name, value)
+    if out is None:
+        from rlscale.models.loading import BUILTIN_DIR
+
+        out = BUILTIN_DIR / "tiny-arith"
     path = run_sft(out, settings)
     typer.echo(f"wrote {path}")
 
@@ -182,10 +187,27 @@ def ckpt_verify(
 
     if not step_dir.exists():
         raise UserError(f"checkpoint {str(step_dir)!r} does not exist")
+    inside = _step_dirs_inside(step_dir)
+    if inside:  # a checkpoint (or run) directory given where one of its steps was meant
+        raise UserError(f"{str(step_dir)!r} is not a step directory: it holds {', '.join(inside[:3])}"
+                        f"{' ...' if len(inside) > 3 else ''}; verify one of those (rlscale ckpt list shows them all)")
     verdict = verify_step_dir(step_dir, checksums=not sizes_only)
     typer.echo(f"{step_dir}: {verdict.reason if verdict.ok else 'damaged: ' + verdict.reason}")
     if not verdict.ok:
         raise typer.Exit(1)
+
+
+def _step_dirs_inside(directory: Path) -> list[str]:
+    """step_N directories in `directory` or its checkpoints/ (newest first), when it holds no manifest."""
+    from rlscale.ckpt.layout import MANIFEST, committed_steps
+
+    if (directory / MANIFEST).exists() or not directory.is_dir():
+        return []
+    for root in (directory, directory / "checkpoints"):
+        steps = committed_steps(root) if root.is_dir() else []
+        if steps:
+            return [str(path.relative_to(directory)) for _, path in sorted(steps, reverse=True)]
+    return []
 
 
 @ckpt_app.command("export")

@@ -355,10 +355,10 @@ class DerivedSizes:
 # The metrics a checkpoint's manifest records, i.e. what checkpointing.metric_name can rank by
 # (val/* only at validated steps); a test keeps this list equal to what a run writes.
 RANKABLE_METRICS = (
-    "accuracy", "grpo/zero_std_groups", "response/length_mean", "response/truncated_fraction", "reward/errors",
-    "reward/mean", "reward/std", "reward/timeouts", "train/clip_fraction", "train/entropy", "train/grad_norm",
-    "train/kl", "train/loss", "train/lr", "train/token_mult_prob_error", "val/accuracy", "val/pass_at_1",
-    "val/response_length", "val/reward_mean",
+    "accuracy", "grpo/zero_std_groups", "prompt/cut_fraction", "response/length_mean", "response/truncated_fraction",
+    "reward/errors", "reward/mean", "reward/std", "reward/timeouts", "train/clip_fraction", "train/entropy",
+    "train/grad_norm", "train/kl", "train/loss", "train/lr", "train/token_mult_prob_error", "val/accuracy",
+    "val/pass_at_1", "val/response_length", "val/reward_mean",
 )
 
 

@@ -140,15 +140,22 @@ def _flat(tree, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def config_changes(step_dir: Path, cfg: Config, shown: int = 4) -> str | None:
-    """A note naming the settings that differ from those the step was saved with (other than the
-    horizon, saving and logging), or None: a run resumed with another batch size or model (the same
-    directory reused by another job, say) should not pass unnoticed."""
+def _saved_config(directory: Path) -> dict[str, object] | None:
+    """The config.yaml a run wrote into `directory` (a step, or a run dir), flattened; None if none."""
     import yaml
 
     try:
-        saved = _flat(yaml.safe_load((Path(step_dir) / "config.yaml").read_text(encoding="utf-8")))
+        return _flat(yaml.safe_load((Path(directory) / "config.yaml").read_text(encoding="utf-8")))
     except (OSError, ValueError, yaml.YAMLError):
+        return None
+
+
+def config_differences(directory: Path, cfg: Config, shown: int = 4) -> str | None:
+    """The settings in which `cfg` differs from the config.yaml in `directory` (a step, or a run
+    dir), other than the horizon, saving and logging, as "key old -> new, ..."; None when there is
+    no such file or no difference."""
+    saved = _saved_config(directory)
+    if saved is None:
         return None
     now = _flat(cfg.to_dict())
     changed = [key for key in sorted(set(saved) | set(now))
@@ -156,9 +163,35 @@ def config_changes(step_dir: Path, cfg: Config, shown: int = 4) -> str | None:
     if not changed:
         return None
     listed = ", ".join(f"{key} {saved.get(key)!r} -> {now.get(key)!r}" for key in changed[:shown])
-    more = f" (and {len(changed) - shown} more)" if len(changed) > shown else ""
-    return (f"resuming {Path(step_dir).name}, saved with other settings: {listed}{more}; "
-            "to start afresh instead, give this run its own logger.log_dir")
+    return listed + (f" (and {len(changed) - shown} more)" if len(changed) > shown else "")
+
+
+def config_changes(step_dir: Path, cfg: Config) -> str | None:
+    """A note naming the settings that differ from those the step was saved with, or None: a run
+    resumed with another batch size or model (the directory reused by another job, say) should
+    not pass unnoticed."""
+    changed = config_differences(step_dir, cfg)
+    return (f"resuming {Path(step_dir).name}, saved with other settings: {changed}; to start afresh "
+            "instead, give this run its own logger.log_dir") if changed else None
+
+
+def check_fresh_start(cfg: Config) -> None:
+    """A run that starts from scratch replaces its log dir's metrics and summary: refused when they
+    belong to a run with other settings (checkpointing off, or a run that never saved), which
+    would be lost. The same settings again is the same run starting over, and may."""
+    log_dir = Path(cfg.logger.log_dir)
+    metrics = log_dir / "metrics.jsonl"
+    if not (metrics.is_file() and metrics.stat().st_size > 0):
+        return
+    if not cfg.checkpointing.enabled and (_saved_config(log_dir) or {}).get("checkpointing.enabled"):
+        raise UserError(f"logger.log_dir {str(log_dir)!r} holds a checkpointed run and this run has "
+                        "checkpointing.enabled=false, so it would overwrite that run's metrics; resume it with "
+                        "checkpointing on, or give this run its own logger.log_dir")
+    changed = config_differences(log_dir, cfg)
+    if changed:
+        raise UserError(f"logger.log_dir {str(log_dir)!r} holds the metrics of a run with other settings ({changed}) "
+                        "and this run starts from scratch (no checkpoint to resume), so it would overwrite them; "
+                        "give this run its own logger.log_dir")
 
 
 def resume_or_start(choice: ResumeChoice | None, checkpointer: Checkpointer, group,
@@ -244,6 +277,8 @@ def train(cfg: Config) -> dict:
     finished = finished_summary(cfg, choice)
     if finished is not None:
         return _already_finished(cfg, choice, finished)
+    if choice is None or choice.path is None:
+        check_fresh_start(cfg)
     # Check the inputs (data, reward function) before writing anything, the directories before
     # the slow model load, and touch the run's files only once the model and checkpoint loaded.
     datasets = build_datasets(cfg.data, cfg.grpo.seed)

@@ -10,7 +10,9 @@ learning on a laptop CPU within minutes.
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,8 +106,17 @@ def run_sft(out_dir: str | Path, settings: SFTSettings = SFTSettings(), log=prin
         schedule.step()
         if step % 100 == 0 or step == settings.steps - 1:
             log(f"sft step {step:4d}  loss {loss.item():.4f}  {time.perf_counter() - started:.0f}s")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    (out_dir / "rlscale_sft.json").write_text(json.dumps(settings.__dict__, indent=2) + "\n")
+    # written beside the target and swapped in whole: the built-in model is what every default run
+    # loads, and an interrupted save must not leave it half-written
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.with_name(f".{out_dir.name}.sft-tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / "rlscale_sft.json").write_text(json.dumps(settings.__dict__, indent=2) + "\n")
+    old = out_dir.with_name(f".{out_dir.name}.sft-old-{os.getpid()}")
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(staging, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
     return out_dir

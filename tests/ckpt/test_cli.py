@@ -55,6 +55,12 @@ def test_verify_exit_status_follows_the_checksums(run_dir):
     missing = invoke("ckpt", "verify", step)
     assert missing.exit_code == 1 and "manifest.json is missing" in missing.output
     assert isinstance(invoke("ckpt", "verify", root / "step_9").exception, UserError)
+    for given in (root, root.parent):  # the checkpoint dir, or its run dir (steps in checkpoints/)
+        if given == root.parent:
+            (root.parent / "checkpoints").symlink_to(root)
+        wrong = invoke("ckpt", "verify", given).exception
+        assert isinstance(wrong, UserError) and "is not a step directory: it holds" in str(wrong)
+        assert "step_2, " in str(wrong) and "verify one of those" in str(wrong)
 
 
 def test_export_writes_a_model_dir_transformers_loads(run_dir, tmp_path):

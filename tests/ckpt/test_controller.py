@@ -109,3 +109,25 @@ def test_prompts_cut_to_fit_the_sequence_limit_are_reported(make_cfg, capsys):
     assert train(make_cfg(*TINY_RUN, "grpo.max_num_steps=1", "logger.log_dir=" + str(cfg.checkpoint_dir.parent / "b"),
                           "checkpointing.checkpoint_dir=" + str(cfg.checkpoint_dir.parent / "b" / "ck")))
     assert "lost their beginning" not in capsys.readouterr().err  # with room to spare, nothing is cut
+
+
+def test_a_fresh_start_does_not_overwrite_another_run_s_metrics(make_cfg):
+    import pytest
+
+    from rlscale.errors import UserError
+
+    train(make_cfg(*TINY_RUN, "grpo.max_num_steps=2"))
+    cfg = make_cfg(*TINY_RUN, "grpo.max_num_steps=1")
+    metrics = cfg.checkpoint_dir.parent / "run" / "metrics.jsonl"
+    before = metrics.read_bytes()
+    with pytest.raises(UserError, match="holds a checkpointed run and this run has checkpointing.enabled=false"):
+        train(make_cfg(*TINY_RUN, "grpo.max_num_steps=1", "checkpointing.enabled=false"))
+    with pytest.raises(UserError, match=r"a run with other settings \(grpo.seed 42 -> 3\) .* starts from scratch"):
+        train(make_cfg(*TINY_RUN, "grpo.max_num_steps=1", "grpo.seed=3", "checkpointing.resume=never",
+                       "checkpointing.checkpoint_dir=" + str(cfg.checkpoint_dir.parent / "elsewhere")))
+    assert metrics.read_bytes() == before  # nothing of the first run was touched
+    # the same settings with checkpointing off is that run starting over, and may
+    off = make_cfg(*TINY_RUN, "grpo.max_num_steps=1", "checkpointing.enabled=false",
+                   "logger.log_dir=" + str(cfg.checkpoint_dir.parent / "off"))
+    train(off)
+    assert train(off)["final_step"] == 1

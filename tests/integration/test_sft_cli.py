@@ -27,3 +27,8 @@ def test_sft_writes_a_model_that_loads_and_records_its_recipe(tmp_path):
     shipped = json.loads((BUILTIN_DIR / "tiny-arith" / "rlscale_sft.json").read_text())
     assert recipe["steps"] == 3
     assert {k: v for k, v in recipe.items() if k != "steps"} == {k: v for k, v in shipped.items() if k != "steps"}
+    # run again into the same directory: replaced whole, nothing left beside it
+    again = run_cli("sft", "--out", str(out), "--steps", "2", cwd=tmp_path)
+    assert again.returncode == 0, again.output
+    assert json.loads((out / "rlscale_sft.json").read_text())["steps"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".tiny")) == []
