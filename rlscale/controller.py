@@ -145,9 +145,10 @@ def _saved_config(directory: Path) -> dict[str, object] | None:
     import yaml
 
     try:
-        return _flat(yaml.safe_load((Path(directory) / "config.yaml").read_text(encoding="utf-8")))
+        tree = yaml.safe_load((Path(directory) / "config.yaml").read_text(encoding="utf-8"))
     except (OSError, ValueError, yaml.YAMLError):
         return None
+    return _flat(tree) if isinstance(tree, dict) else None
 
 
 def config_differences(directory: Path, cfg: Config, shown: int = 4) -> str | None:
@@ -158,11 +159,13 @@ def config_differences(directory: Path, cfg: Config, shown: int = 4) -> str | No
     if saved is None:
         return None
     now = _flat(cfg.to_dict())
-    changed = [key for key in sorted(set(saved) | set(now))
-               if saved.get(key) != now.get(key) and not key.startswith(_RESUME_MAY_CHANGE)]
+    # keys only one side has come from another rlscale version (an option added or removed), not
+    # from other settings
+    changed = [key for key in sorted(set(saved) & set(now))
+               if saved[key] != now[key] and not key.startswith(_RESUME_MAY_CHANGE)]
     if not changed:
         return None
-    listed = ", ".join(f"{key} {saved.get(key)!r} -> {now.get(key)!r}" for key in changed[:shown])
+    listed = ", ".join(f"{key} {saved[key]!r} -> {now[key]!r}" for key in changed[:shown])
     return listed + (f" (and {len(changed) - shown} more)" if len(changed) > shown else "")
 
 

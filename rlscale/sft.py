@@ -21,6 +21,7 @@ import torch
 
 from rlscale.config import ArithmeticConfig
 from rlscale.data.arithmetic import ARITHMETIC_TEMPLATE, ArithmeticSource
+from rlscale.errors import UserError
 from rlscale.models.tiny import build_char_tokenizer, build_tiny_model
 
 
@@ -77,7 +78,12 @@ def _batch(tokenizer, source: ArithmeticSource, start: int, size: int, rng, slip
 
 
 def run_sft(out_dir: str | Path, settings: SFTSettings = SFTSettings(), log=print) -> Path:
-    out_dir = Path(out_dir)
+    # checked before training: the result replaces out_dir whole, so it must be a model dir (or new/empty)
+    out_dir = Path(out_dir).resolve()
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (
+            (out_dir / "config.json").exists() or (out_dir / "rlscale_sft.json").exists()))):
+        raise UserError(f"--out {str(out_dir)!r} exists and is not a model directory (no config.json): give a new "
+                        "or empty directory, or a model directory to replace")
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)
     tokenizer = build_char_tokenizer()

@@ -23,6 +23,7 @@ run.sh`, its tokens written in plain text into that JSON file. Here:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -175,9 +176,35 @@ def _redact(text: str, extra: tuple[str, ...] = ()) -> str:
     return _HF_TOKEN_VALUE.sub("hf_***", text)
 
 
+# names that look like secrets by the pattern but hold none (a path to a key file, a switch)
+_NOT_SECRET_NAMES = {"GOOGLE_APPLICATION_CREDENTIALS", "HF_HUB_DISABLE_IMPLICIT_TOKEN"}
+
+
+@functools.lru_cache(maxsize=1)
+def config_keys() -> frozenset[str]:
+    """Every dotted key of rlscale's config (e.g. loss.token_level_loss: a setting, not a secret)."""
+    from rlscale.config import Config
+
+    def walk(tree, prefix):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}"
+
+    return frozenset(walk(Config().model_dump(mode="json"), ""))
+
+
+def secret_name(key: str) -> bool:
+    """Whether a variable or key name says it holds a secret (HF_TOKEN, *_API_KEY, ...)."""
+    if key in _NOT_SECRET_NAMES or key in config_keys():
+        return False
+    return key.upper() in SECRET_ENV_VARS or bool(_SECRET_NAME.search(key))
+
+
 def _secret_reason(key: str, value: str, extra: tuple[str, ...] = ()) -> str | None:
     """Why `key=value` looks like a secret, or None."""
-    if key.upper() in SECRET_ENV_VARS or _SECRET_NAME.search(key):
+    if secret_name(key):
         return f"{key!r} names a secret"
     for name in SECRET_ENV_VARS:
         secret = os.environ.get(name, "")

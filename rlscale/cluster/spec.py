@@ -253,13 +253,15 @@ class ClusterSpec(_Section):
     @field_validator("env", mode="before")
     @classmethod
     def _env(cls, value):
+        from rlscale.cluster.jobs import secret_name
+
         if not isinstance(value, dict):
             return value
         out = {}
         for key, val in value.items():
             if not isinstance(key, str) or not ENV_NAME.match(key):
                 raise ValueError(f"{key!r} is not an environment variable name")
-            if key in SECRET_KEYS or re.search(r"TOKEN|SECRET|PASSWORD|API_KEY", key):
+            if key in SECRET_KEYS or secret_name(key):
                 raise ValueError(f"{key} looks like a secret: list it under secret.required_keys or "
                                  "secret.optional_keys and store it in the Kubernetes Secret")
             if isinstance(val, (dict, list)) or val is None:

@@ -131,3 +131,22 @@ def test_a_fresh_start_does_not_overwrite_another_run_s_metrics(make_cfg):
                    "logger.log_dir=" + str(cfg.checkpoint_dir.parent / "off"))
     train(off)
     assert train(off)["final_step"] == 1
+
+
+def test_keys_of_another_rlscale_version_are_not_other_settings(make_cfg):
+    import yaml
+
+    from rlscale.controller import config_differences
+
+    cfg = make_cfg(*TINY_RUN)
+    tree = cfg.to_dict()
+    tree["grpo"]["an_option_since_removed"] = 1  # written by another version
+    del tree["loss"]["token_level_loss"]  # an option this version added
+    (cfg.checkpoint_dir.parent / "old").mkdir()
+    (cfg.checkpoint_dir.parent / "old" / "config.yaml").write_text(yaml.safe_dump(tree))
+    assert config_differences(cfg.checkpoint_dir.parent / "old", cfg) is None
+    tree["grpo"]["seed"] = 1
+    (cfg.checkpoint_dir.parent / "old" / "config.yaml").write_text(yaml.safe_dump(tree))
+    assert config_differences(cfg.checkpoint_dir.parent / "old", cfg) == "grpo.seed 1 -> 42"
+    (cfg.checkpoint_dir.parent / "old" / "config.yaml").write_text("just text\n")
+    assert config_differences(cfg.checkpoint_dir.parent / "old", cfg) is None

@@ -436,3 +436,14 @@ def test_blueprint_fragment_sets_the_legacy_lustre_port_with_a_gke_support_enabl
     assert pv["spec"]["csi"]["driver"] == "lustre.csi.storage.gke.io"
     readme = (folder / "README.md").read_text()
     assert "enableLegacyLustrePort" in readme and "https://" in readme
+
+
+def test_settings_and_known_switches_are_not_taken_for_secrets():
+    # `token` in a config key, or a variable that points at a key file, holds no secret
+    spec = cluster_spec_from_dict({"job": {"overrides": ["loss.token_level_loss=false",
+                                                        "checkpointing.checkpoint_dir=/lustre/run"]},
+                                   "env": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+                                           "GOOGLE_APPLICATION_CREDENTIALS": "/var/secrets/key.json"}})
+    assert "loss.token_level_loss=false" in spec.job.overrides
+    with pytest.raises(UserError, match="MY_TOKEN"):
+        cluster_spec_from_dict({"env": {"MY_TOKEN": "x"}})

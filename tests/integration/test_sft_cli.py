@@ -32,3 +32,11 @@ def test_sft_writes_a_model_that_loads_and_records_its_recipe(tmp_path):
     assert again.returncode == 0, again.output
     assert json.loads((out / "rlscale_sft.json").read_text())["steps"] == 2
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".tiny")) == []
+
+
+def test_sft_refuses_to_replace_a_directory_that_is_not_a_model(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    result = run_cli("sft", "--out", str(tmp_path / "mine"), "--steps", "1", cwd=tmp_path)
+    assert result.returncode == 2 and "is not a model directory" in result.output
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"

@@ -32,6 +32,9 @@ def _clip_rank(rank: int, port: int, out: str) -> None:
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     if rank == 0:
         torch.save({"norm": norm, "grads": grads}, f"{out}/sharded.pt")
+    # both ranks reach the teardown together: a gloo group destroyed while its peer is still
+    # talking to it has aborted the process ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -60,6 +60,7 @@ def rank_main(rank: int, world: int, port: int, out: str, overrides: list[str], 
         json.dump(stats, f)
     if rank == 0:
         save_file(weights, f"{out}/sharded.safetensors")
+    torch.distributed.barrier()  # both ranks tear down together (see tests/workers/test_distributed.py)
     torch.distributed.destroy_process_group()
 
 
