@@ -422,6 +422,8 @@ def main() -> None:
     option_errors = tuple(c for c in (getattr(typer, "TyperException", None), click.ClickException) if c)
     try:
         code = app(standalone_mode=False)  # returns, not raises, a command's typer.Exit code
+        if code == 130:  # typer turns a KeyboardInterrupt (Ctrl-C before a run's own handler) into 130
+            typer.echo("rlscale: interrupted", err=True)
         if isinstance(code, int) and code:
             sys.exit(code)
     except typer.Exit as exc:

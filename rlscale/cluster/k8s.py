@@ -49,6 +49,14 @@ def dns_label(value: str, what: str, max_len: int = 63, rfc1035: bool = False) -
     return value
 
 
+def dns_subdomain(value: str, what: str) -> str:
+    """An object name such as a PVC's or a Secret's: DNS-1123 labels joined by dots, at most 253."""
+    if len(value) > 253 or not all(DNS1123_LABEL.match(part) for part in value.split(".")):
+        raise ValueError(f"{value!r} is not a valid {what}: at most 253 lowercase letters, digits, '-' and '.', "
+                         "each dot-separated part starting and ending with a letter or digit")
+    return value
+
+
 def duration(value: str) -> str:
     if not DURATION.match(value):
         raise ValueError(f"{value!r} is not a duration such as 30s or 1m")

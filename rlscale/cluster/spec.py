@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from rlscale.cluster.k8s import (ENV_NAME, LABEL_KEY, LABEL_VALUE, dns_label, duration, parse_quantity,
+from rlscale.cluster.k8s import (ENV_NAME, LABEL_KEY, LABEL_VALUE, dns_label, dns_subdomain, duration, parse_quantity,
                                  quantity)
 from rlscale.config import _Section, read_yaml_mapping  # one strict base: no unknown keys, no booleans for numbers
 from rlscale.errors import UserError, validation_message
@@ -91,7 +91,7 @@ class Storage(_Section):
     @field_validator("pvc")
     @classmethod
     def _pvc(cls, value):
-        return dns_label(value, "PVC name", max_len=253)
+        return dns_subdomain(value, "PVC name")
 
     @field_validator("mount_path")
     @classmethod
@@ -126,7 +126,7 @@ class SecretRef(_Section):
     @field_validator("name")
     @classmethod
     def _name(cls, value):
-        return dns_label(value, "Secret name", max_len=253)
+        return dns_subdomain(value, "Secret name")
 
     @field_validator("required_keys", "optional_keys")
     @classmethod

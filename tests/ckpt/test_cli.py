@@ -141,3 +141,20 @@ def test_an_os_error_reaches_the_user_as_one_line_naming_the_file(tmp_path, monk
     monkeypatch.setenv("RLSCALE_TRACEBACK", "1")
     with pytest.raises(OSError, match="File name too long"):
         cli.main()
+
+
+def test_ctrl_c_before_a_run_handles_it_says_interrupted(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while a command starts up (before a run's own SIGINT handling) exits 130 with one line."""
+    import sys
+
+    from rlscale import cli
+    from rlscale.ckpt import tools
+
+    def interrupted(root):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tools, "list_steps", interrupted)
+    monkeypatch.setattr(sys, "argv", ["rlscale", "ckpt", "list", str(tmp_path)])
+    with pytest.raises(SystemExit) as stopped:
+        cli.main()
+    assert stopped.value.code == 130 and capsys.readouterr().err == "rlscale: interrupted\n"

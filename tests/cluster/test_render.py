@@ -447,3 +447,11 @@ def test_settings_and_known_switches_are_not_taken_for_secrets():
     assert "loss.token_level_loss=false" in spec.job.overrides
     with pytest.raises(UserError, match="MY_TOKEN"):
         cluster_spec_from_dict({"env": {"MY_TOKEN": "x"}})
+
+
+def test_object_names_may_have_dots_as_kubernetes_allows():
+    spec = cluster_spec_from_dict({"storage": {"pvc": "lustre.shared-pvc"}, "secret": {"name": "team.rl-secrets"}})
+    assert spec.storage.pvc == "lustre.shared-pvc" and spec.secret.name == "team.rl-secrets"
+    for bad in ("Upper.case", "trailing.", ".leading", "a..b"):
+        with pytest.raises(UserError, match="storage.pvc"):
+            cluster_spec_from_dict({"storage": {"pvc": bad}})
