@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -70,12 +71,17 @@ def evaluate_cmd(
     k: int = typer.Option(1, "--k", min=1, help="samples per problem for pass@k"),
     temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0,
                                                 help="default: 0 for k=1, else policy's"),
-    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="held-out problems to use"),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1,
+                                        help="held-out problems to use (default: grpo.max_val_samples)"),
 ) -> None:
-    """Accuracy and pass@k on the held-out set, for a model or a checkpoint."""
+    """Accuracy and pass@k on the held-out set, for a model or a checkpoint (with the settings the
+    checkpoint's run used: its data, prompt format and generation length, unless --config is given)."""
     from rlscale.config import load_config
 
-    cfg = load_config(config, overrides or [])
+    if temperature is not None and not math.isfinite(temperature):
+        raise UserError(f"--temperature {temperature} must be a finite number")
+    run_config = checkpoint / "config.yaml" if checkpoint is not None and config is None else None
+    cfg = load_config(run_config if run_config is not None and run_config.is_file() else config, overrides or [])
     if checkpoint is not None and model is not None:
         raise UserError("give --model or --checkpoint, not both")
     from rlscale.ckpt.layout import verify_step_dir
@@ -97,7 +103,7 @@ def evaluate_cmd(
     from rlscale.workers.policy import PolicyWorker
 
     problems = build_datasets(cfg.data, cfg.grpo.seed).val
-    problems = problems[:limit] if limit else problems
+    problems = problems[:limit or cfg.grpo.max_val_samples]  # what the run's validation scored
     if temperature is None:
         temperature = 0.0 if k == 1 else cfg.policy.generation.temperature
     if k > 1 and temperature == 0:

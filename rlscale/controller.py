@@ -307,16 +307,17 @@ def train(cfg: Config) -> dict:
         cleanup.callback(group.shutdown)
         state, resumed_from, notes = resume_or_start(choice, checkpointer, group, loader, cfg)
         cleanup.callback(checkpointer.close)  # runs before shutdown: in-flight saves finish first
-        # work is left: an older summary here (a shorter run, or the steps this one takes again)
-        # must not pass for this run's if it stops before writing its own
-        (run_dir / "summary.json").unlink(missing_ok=True)
-        write_atomic(run_dir / "config.yaml", cfg.to_yaml())
         sinks = build_sinks(run_dir, cfg.logger.tensorboard_enabled, cfg.logger.wandb_enabled,
                             resumed_step=state.step if resumed_from else None,
                             prometheus_port=cfg.logger.prometheus_port, config=cfg,
                             resumed_row=(read_manifest(Path(resumed_from)) or {}).get("metrics")
                             if resumed_from else None)
         cleanup.callback(sinks.close)
+        # only once every sink opened (a port in use, a missing package): a start that fails leaves
+        # the run dir as it was. Work is left: an older summary here (a shorter run, or the steps
+        # this one takes again) must not pass for this run's if it stops before writing its own
+        (run_dir / "summary.json").unlink(missing_ok=True)
+        write_atomic(run_dir / "config.yaml", cfg.to_yaml())
         signals = cleanup.enter_context(StopSignals())  # SIGTERM/SIGINT: save, then RunStopped
         run = Run(cfg, group, scorer, checkpointer, sinks, loader, datasets.val, state,
                   signals, Deadline(cfg.checkpointing.must_save_by_s(), started))

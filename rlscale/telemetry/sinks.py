@@ -58,9 +58,9 @@ class TensorBoardSink:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise UserError("logger.tensorboard_enabled needs the 'tensorboard' package installed") from None
-        # purge_step hides events a crashed run wrote after the step it resumes from
-        self._writer = SummaryWriter(log_dir=str(directory),
-                                     purge_step=None if resumed_step is None else resumed_step + 1)
+        # purge_step hides events a crashed run wrote after the step it resumes from; a fresh start
+        # hides all of them (a run that crashed before its first save, started over)
+        self._writer = SummaryWriter(log_dir=str(directory), purge_step=0 if resumed_step is None else resumed_step + 1)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():

@@ -150,3 +150,39 @@ def test_keys_of_another_rlscale_version_are_not_other_settings(make_cfg):
     assert config_differences(cfg.checkpoint_dir.parent / "old", cfg) == "grpo.seed 1 -> 42"
     (cfg.checkpoint_dir.parent / "old" / "config.yaml").write_text("just text\n")
     assert config_differences(cfg.checkpoint_dir.parent / "old", cfg) is None
+
+
+def test_a_start_that_fails_to_open_its_sinks_leaves_the_run_dir_as_it_was(make_cfg):
+    import socket
+
+    import pytest
+
+    from rlscale.errors import UserError
+
+    train(make_cfg(*TINY_RUN, "grpo.max_num_steps=1"))
+    run = make_cfg(*TINY_RUN).checkpoint_dir.parent / "run"
+    before = {name: (run / name).read_bytes() for name in ("summary.json", "config.yaml", "metrics.jsonl")}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(UserError, match=str(port)):
+            train(make_cfg(*TINY_RUN, "grpo.max_num_steps=2", f"logger.prometheus_port={port}"))
+    assert {name: (run / name).read_bytes() for name in before} == before
+
+
+def test_eval_of_a_checkpoint_uses_its_run_s_settings(make_cfg):
+    """The run generated at most 4 tokens and validated on its own held-out set: so does the eval."""
+    from typer.testing import CliRunner
+
+    from rlscale.cli import app
+
+    cfg = make_cfg(*TINY_RUN, "grpo.max_num_steps=1", "grpo.max_val_samples=8")
+    train(cfg)
+    result = CliRunner().invoke(app, ["eval", "--checkpoint", str(cfg.checkpoint_dir / "step_1")])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout[result.stdout.index("{"):])
+    assert out["num_problems"] == 8 and out["response_length_mean"] <= 4  # max_new_tokens=4, not the default 16
+    refused = CliRunner().invoke(app, ["eval", "--checkpoint", str(cfg.checkpoint_dir / "step_1"),
+                                       "--temperature", "inf"])
+    assert refused.exit_code != 0 and "--temperature inf must be a finite number" in str(refused.exception)

@@ -65,6 +65,16 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
     events.Reload()
     scalars = events.Scalars("reward/mean")
     assert [(s.step, s.value) for s in scalars] == [(1, 0.25), (2, 0.5)]
+    # the same run started over from scratch (it crashed before its first save): the old points go
+    import time
+
+    time.sleep(1.1)  # a new event file (they are named by the second)
+    sinks = build_sinks(tmp_path, tensorboard=True, wandb=False)
+    sinks.log(1, {"reward/mean": 0.75})
+    sinks.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(s.step, s.value) for s in events.Scalars("reward/mean")] == [(1, 0.75)]
 
 
 def test_wandb_without_the_package_is_a_clear_user_error(tmp_path, monkeypatch):
