@@ -62,6 +62,23 @@ def train(
     typer.echo(json.dumps(summary, indent=2))
 
 
+def eval_config(checkpoint: Path | None, config: Path | None, overrides: list[str]):
+    """`rlscale eval`'s settings: with --checkpoint and no --config, those of the checkpoint's run
+    (its data, prompts, generation, reward), the hardware settings this machine's; then overrides."""
+    from rlscale.config import load_config
+
+    run_config = checkpoint / "config.yaml" if checkpoint is not None and config is None else None
+    if run_config is None or not run_config.is_file():
+        return load_config(config, overrides)
+    here = ["policy.device=auto", "policy.dtype=auto", "policy.attention_backend=auto", "policy.compile=null",
+            "policy.cpu_threads=null"]
+    try:
+        return load_config(run_config, here + list(overrides))
+    except UserError as exc:
+        raise UserError(f"{run_config} (the checkpoint's run settings): {exc}; pass --config FILE to evaluate "
+                        "with other settings") from None
+
+
 @app.command("eval")
 def evaluate_cmd(
     overrides: Optional[list[str]] = OVERRIDES_ARG,
@@ -76,12 +93,9 @@ def evaluate_cmd(
 ) -> None:
     """Accuracy and pass@k on the held-out set, for a model or a checkpoint (with the settings the
     checkpoint's run used: its data, prompt format and generation length, unless --config is given)."""
-    from rlscale.config import load_config
-
     if temperature is not None and not math.isfinite(temperature):
         raise UserError(f"--temperature {temperature} must be a finite number")
-    run_config = checkpoint / "config.yaml" if checkpoint is not None and config is None else None
-    cfg = load_config(run_config if run_config is not None and run_config.is_file() else config, overrides or [])
+    cfg = eval_config(checkpoint, config, overrides or [])
     if checkpoint is not None and model is not None:
         raise UserError("give --model or --checkpoint, not both")
     from rlscale.ckpt.layout import verify_step_dir

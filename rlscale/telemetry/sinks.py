@@ -117,8 +117,6 @@ def build_sinks(log_dir: Path, tensorboard: bool, wandb: bool, resumed_step: int
     # The optional sinks open first: a missing package fails before metrics.jsonl is touched.
     sinks: list = []
     try:
-        if tensorboard:
-            sinks.append(TensorBoardSink(log_dir / "tensorboard", resumed_step))
         if wandb:
             from rlscale.telemetry.wandb_sink import WandbSink
 
@@ -131,6 +129,8 @@ def build_sinks(log_dir: Path, tensorboard: bool, wandb: bool, resumed_step: int
             from rlscale.telemetry.prometheus import PrometheusSink
 
             sinks.append(PrometheusSink(prometheus_port))
+        if tensorboard:  # after the others: opening it writes an event file that purges older points
+            sinks.append(TensorBoardSink(log_dir / "tensorboard", resumed_step))
         sinks.insert(0, JsonlSink(log_dir / "metrics.jsonl", resumed_step, resumed_row))
     except BaseException:
         Sinks(sinks).close()  # a sink that fails to open leaves none of the others open

@@ -159,16 +159,27 @@ def test_a_start_that_fails_to_open_its_sinks_leaves_the_run_dir_as_it_was(make_
 
     from rlscale.errors import UserError
 
-    train(make_cfg(*TINY_RUN, "grpo.max_num_steps=1"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def points(run):
+        events = EventAccumulator(str(run / "tensorboard"))
+        events.Reload()
+        return [(s.step, s.value) for s in events.Scalars("reward/mean")]
+
+    train(make_cfg(*TINY_RUN, "grpo.max_num_steps=1", "logger.tensorboard_enabled=true"))
     run = make_cfg(*TINY_RUN).checkpoint_dir.parent / "run"
     before = {name: (run / name).read_bytes() for name in ("summary.json", "config.yaml", "metrics.jsonl")}
+    plotted = points(run)
+    assert len(plotted) == 1
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(UserError, match=str(port)):
-            train(make_cfg(*TINY_RUN, "grpo.max_num_steps=2", f"logger.prometheus_port={port}"))
+            train(make_cfg(*TINY_RUN, "grpo.max_num_steps=2", f"logger.prometheus_port={port}",
+                           "logger.tensorboard_enabled=true"))
     assert {name: (run / name).read_bytes() for name in before} == before
+    assert points(run) == plotted  # no event file that would purge them
 
 
 def test_eval_of_a_checkpoint_uses_its_run_s_settings(make_cfg):
@@ -186,3 +197,21 @@ def test_eval_of_a_checkpoint_uses_its_run_s_settings(make_cfg):
     refused = CliRunner().invoke(app, ["eval", "--checkpoint", str(cfg.checkpoint_dir / "step_1"),
                                        "--temperature", "inf"])
     assert refused.exit_code != 0 and "--temperature inf must be a finite number" in str(refused.exception)
+    # a run made elsewhere (on CUDA) evaluates here; settings this version lacks are named with their file
+    import re
+
+    import pytest
+
+    from rlscale.cli import eval_config
+    from rlscale.errors import UserError
+
+    elsewhere = cfg.checkpoint_dir.parent / "made-on-cuda"
+    elsewhere.mkdir()
+    saved = (cfg.checkpoint_dir / "step_1" / "config.yaml").read_text()
+    (elsewhere / "config.yaml").write_text(re.sub(r"(?m)^  device: \w+$", "  device: cuda", saved, count=1))
+    made = eval_config(elsewhere, None, ["rewards.num_workers=1"])
+    assert made.policy.device == "auto" and made.policy.generation.max_new_tokens == 4
+    assert made.rewards.num_workers == 1  # overrides still win
+    (elsewhere / "config.yaml").write_text(saved + "future_section:\n  key: 1\n")
+    with pytest.raises(UserError, match=r"made-on-cuda/config.yaml \(the checkpoint's run settings\): .*--config FILE"):
+        eval_config(elsewhere, None, [])
