@@ -424,6 +424,17 @@ def derive_sizes(cfg: Config) -> DerivedSizes:
     )
 
 
+def flat_dict(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: nested settings by dotted key (an empty mapping is a value)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flat_dict(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def token_budget(policy: PolicyConfig, micro_batch_size: int) -> int:
     """Tokens per packed micro-batch: policy.train_micro_batch_tokens, else micro-batch samples ×
     the longest sample (the memory a padded micro-batch took)."""

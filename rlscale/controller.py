@@ -19,7 +19,7 @@ from rlscale.ckpt import Checkpointer, SaveReport
 from rlscale.ckpt.faults import maybe_fault
 from rlscale.ckpt.layout import read_manifest
 from rlscale.ckpt.resume import ResumeChoice, choose as choose_resume, set_aside_newer
-from rlscale.config import Config, derive_sizes
+from rlscale.config import Config, derive_sizes, flat_dict
 from rlscale.data import PromptLoader, build_datasets
 from rlscale.errors import UserError
 from rlscale.fsutil import ensure_writable_dir, write_atomic
@@ -131,15 +131,6 @@ def validate(cfg: Config, group, problems, scorer) -> EvalResult:
 _RESUME_MAY_CHANGE = ("grpo.max_num_steps", "checkpointing.", "logger.")
 
 
-def _flat(tree, prefix: str = "") -> dict[str, object]:
-    if not isinstance(tree, dict):
-        return {prefix[:-1]: tree}
-    out: dict[str, object] = {}
-    for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}{key}."))
-    return out
-
-
 def _saved_config(directory: Path) -> dict[str, object] | None:
     """The config.yaml a run wrote into `directory` (a step, or a run dir), flattened; None if none."""
     import yaml
@@ -148,7 +139,7 @@ def _saved_config(directory: Path) -> dict[str, object] | None:
         tree = yaml.safe_load((Path(directory) / "config.yaml").read_text(encoding="utf-8"))
     except (OSError, ValueError, yaml.YAMLError):
         return None
-    return _flat(tree) if isinstance(tree, dict) else None
+    return flat_dict(tree) if isinstance(tree, dict) else None
 
 
 def config_differences(directory: Path, cfg: Config, shown: int = 4) -> str | None:
@@ -158,7 +149,7 @@ def config_differences(directory: Path, cfg: Config, shown: int = 4) -> str | No
     saved = _saved_config(directory)
     if saved is None:
         return None
-    now = _flat(cfg.to_dict())
+    now = flat_dict(cfg.to_dict())
     # keys only one side has come from another rlscale version (an option added or removed), not
     # from other settings
     changed = [key for key in sorted(set(saved) & set(now))
@@ -198,7 +189,7 @@ def check_fresh_start(cfg: Config) -> None:
 
 
 def resume_or_start(choice: ResumeChoice | None, checkpointer: Checkpointer, group,
-                    loader: PromptLoader, cfg: Config | None = None) -> tuple[TrainerState, str | None, list[str]]:
+                    loader: PromptLoader, cfg: Config) -> tuple[TrainerState, str | None, list[str]]:
     """Restore the checkpoint `checkpointing.resume` picked (see rlscale/ckpt/resume.py; None:
     checkpointing is off); returns the state, the step dir resumed from (None: a fresh start) and
     lines worth telling the user."""
@@ -209,7 +200,7 @@ def resume_or_start(choice: ResumeChoice | None, checkpointer: Checkpointer, gro
     state = TrainerState(**checkpointer.load(choice.path, group))
     loader.load_state_dict(state.loader)
     set_aside_newer(checkpointer.root, choice)  # only once the chosen step has loaded
-    changes = config_changes(choice.path, cfg) if cfg is not None else None
+    changes = config_changes(choice.path, cfg)
     return state, str(choice.path), choice.notes() + ([changes] if changes else [])
 
 
@@ -334,9 +325,8 @@ def train(cfg: Config) -> dict:
             "eval": {"before": _strip(state.eval_before), "after": _strip(eval_after)},
             "checkpoint_dir": str(cfg.checkpoint_dir) if cfg.checkpointing.enabled else None,
         }
-        # the last save commits, then the summary is written, both while this run still holds the
-        # directory: a run waiting for it must find the summary when it gets the claim
-        checkpointer.wait()
+        # written while this run still holds the directory (the loop has waited for its last save):
+        # a run waiting for the claim must find the summary when it gets it
         write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -357,8 +347,7 @@ class Run:
         self.val_step: int | None = None  # the step state.last_val was measured at, in this invocation
         self.step_estimate_s: float | None = None  # the longest step of this invocation
         self.save_estimate_s: float | None = None  # the longest save, snapshot start to commit
-        self.reward_failures_noted = False
-        self.prompt_cut_noted = False
+        self.noted: set[str] = set()  # what print_once has said
 
     def loop(self, progress: ProgressDisplay, resumed_from: str | None) -> dict | None:
         """The GRPO loop, top to bottom. Returns the held-out metrics after training."""
@@ -391,13 +380,11 @@ class Run:
             self.abandon_step_if_stopping()
             with timer.section("reward"):
                 scores = self.scorer.score(rollouts.texts, answers)
-            if any(rollouts.prompt_cut) and not self.prompt_cut_noted:  # once a run; the metric counts each step's
-                progress.print(prompt_cut_note(cfg, step, rollouts))
-                self.prompt_cut_noted = True
+            if any(rollouts.prompt_cut):
+                self.print_once("prompt cut", progress, prompt_cut_note(cfg, step, rollouts))
             failures = scores.check(cfg.rewards.function, f"step {step}")  # raises when every sample failed
-            if failures and not self.reward_failures_noted:  # once a run: the metric counts every step's
-                progress.print(failures)
-                self.reward_failures_noted = True
+            if failures:
+                self.print_once("reward failures", progress, failures)
             self.abandon_step_if_stopping()
             rewards = torch.tensor(scores.rewards).view(P, G)
             advantages = group_advantages(rewards, cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards)
@@ -441,6 +428,12 @@ class Run:
         if final:
             self.sinks.log(state.step, final)
         return eval_after
+
+    def print_once(self, what: str, progress: ProgressDisplay, line: str) -> None:
+        """Say `line` the first time `what` happens in this run (a metric counts it every step)."""
+        if what not in self.noted:
+            self.noted.add(what)
+            progress.print(line)
 
     def validate(self) -> dict[str, float]:
         return validate(self.cfg, self.group, self.val_problems, self.scorer).metrics("val")

@@ -183,16 +183,9 @@ _NOT_SECRET_NAMES = {"GOOGLE_APPLICATION_CREDENTIALS", "HF_HUB_DISABLE_IMPLICIT_
 @functools.lru_cache(maxsize=1)
 def config_keys() -> frozenset[str]:
     """Every dotted key of rlscale's config (e.g. loss.token_level_loss: a setting, not a secret)."""
-    from rlscale.config import Config
+    from rlscale.config import Config, flat_dict
 
-    def walk(tree, prefix):
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                yield from walk(value, f"{prefix}{key}.")
-            else:
-                yield f"{prefix}{key}"
-
-    return frozenset(walk(Config().model_dump(mode="json"), ""))
+    return frozenset(flat_dict(Config().model_dump(mode="json")))
 
 
 def secret_name(key: str) -> bool:
@@ -202,7 +195,7 @@ def secret_name(key: str) -> bool:
     return key.upper() in SECRET_ENV_VARS or bool(_SECRET_NAME.search(key))
 
 
-def _secret_reason(key: str, value: str, extra: tuple[str, ...] = ()) -> str | None:
+def secret_reason(key: str, value: str, extra: tuple[str, ...] = ()) -> str | None:
     """Why `key=value` looks like a secret, or None."""
     if secret_name(key):
         return f"{key!r} names a secret"
@@ -219,7 +212,7 @@ def _secret_reason(key: str, value: str, extra: tuple[str, ...] = ()) -> str | N
 
 def pip_secret_reason(entry: str, extra: tuple[str, ...] = ()) -> str | None:
     """Why a pip requirement looks like it carries a secret (a token, a URL with a password), or None."""
-    reason = _secret_reason("--pip", entry, extra)
+    reason = secret_reason("--pip", entry, extra)
     if reason is None and "://" in entry and urlsplit(entry.split("+", 1)[-1]).password:
         reason = "its URL carries a password"
     return reason
@@ -228,17 +221,20 @@ def pip_secret_reason(entry: str, extra: tuple[str, ...] = ()) -> str | None:
 def override_secret_reason(text: str, extra: tuple[str, ...] = ()) -> str | None:
     """Why a `key=value` override looks like a secret, or None."""
     key, _, value = text.partition("=")
-    return _secret_reason(key.strip().lstrip("+"), value, extra)
-
-
-def env_secret_reason(key: str, value: str) -> str | None:
-    return _secret_reason(key, value)
+    return secret_reason(key.strip().lstrip("+"), value, extra)
 
 
 def _refuse_secret(what: str, reason: str) -> UserError:
     return UserError(f"{what}: {reason}; secrets never travel with a job (they would be readable through "
                      "the jobs API): on the cluster HF_TOKEN and WANDB_API_KEY come from the Kubernetes Secret "
                      "mounted on the Ray pods")
+
+
+def job_stop_wait_s(preemption_grace_s: float) -> str:
+    """RAY_JOB_STOP_WAIT_TIME_S for a run: Ray's job stop sends SIGTERM to the driver and every
+    process it started, then SIGKILL after this many seconds (3 by default); the run's grace to
+    finish its step and save, plus 15 s for the commit and exit."""
+    return str(math.ceil(preemption_grace_s) + 15)
 
 
 def check_no_secrets(overrides: list[str], env_pairs: dict[str, str], config_text: str | None,
@@ -248,7 +244,7 @@ def check_no_secrets(overrides: list[str], env_pairs: dict[str, str], config_tex
         if reason:
             raise _refuse_secret("refusing the override", reason)
     for key, value in env_pairs.items():
-        reason = _secret_reason(key, value, extra)
+        reason = secret_reason(key, value, extra)
         if reason:
             raise _refuse_secret(f"refusing --env {key}", reason)
     if config_text is not None:
@@ -330,7 +326,7 @@ def build_submission(working_dir: Path, config: Path | None, overrides: list[str
         raise UserError("--launcher is empty (expected the command that runs rlscale, e.g. 'rlscale')")
     for word in launcher_words:  # `HF_TOKEN=... rlscale` would put it in the entrypoint
         name, sep, value = word.partition("=")
-        reason = _secret_reason(name, value, extra) if sep else None
+        reason = secret_reason(name, value, extra) if sep else None
         if reason:
             raise _refuse_secret("refusing --launcher", reason)
     cfg = load_config(config, overrides)  # a typo fails here, not minutes later on the cluster
@@ -352,9 +348,7 @@ def build_submission(working_dir: Path, config: Path | None, overrides: list[str
         # same key in the job's env is a conflict for Ray unless told to merge (the driver's value
         # already starts with the job's).
         env_vars.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
-    # Ray's job stop sends SIGTERM to the driver and every process it started, then SIGKILL after
-    # RAY_JOB_STOP_WAIT_TIME_S (3 s by default): give the run its grace to finish the step and save
-    env_vars.setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(math.ceil(cfg.checkpointing.preemption_grace_s) + 15))
+    env_vars.setdefault("RAY_JOB_STOP_WAIT_TIME_S", job_stop_wait_s(cfg.checkpointing.preemption_grace_s))
     command = [*launcher_words, "train"]
     if rel is not None:
         command += ["--config", rel]

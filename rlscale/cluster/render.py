@@ -10,7 +10,6 @@ through `secretKeyRef`, so they stay out of manifests, runtime envs and the Ray 
 from __future__ import annotations
 
 import copy
-import math
 import os
 import shlex
 from pathlib import Path
@@ -181,13 +180,13 @@ def entrypoint(spec: ClusterSpec) -> str:
 
 def runtime_env(spec: ClusterSpec) -> dict[str, Any]:
     """Plain settings only: secrets reach the processes from the pods' env (secretKeyRef)."""
+    from rlscale.cluster.jobs import job_stop_wait_s
     from rlscale.config import load_config
 
     env: dict[str, Any] = {"env_vars": dict(spec.env)}
-    # a stopped Ray job (the RayJob deleted or suspended) gets SIGKILL this long after its SIGTERM
-    # (3 s by default): the run's grace to finish its step and save, as `rlscale job submit` sets it
+    # a stopped Ray job (the RayJob deleted or suspended) gets its grace, as `rlscale job submit` sets it
     grace = load_config(None, spec.job.overrides).checkpointing.preemption_grace_s
-    env["env_vars"].setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(math.ceil(grace) + 15))
+    env["env_vars"].setdefault("RAY_JOB_STOP_WAIT_TIME_S", job_stop_wait_s(grace))
     if spec.job.pip:
         env["pip"] = list(spec.job.pip)
     return env

@@ -25,7 +25,6 @@ __all__ = ["ClusterSpec", "cluster_spec_from_dict", "load_cluster_spec", "parse_
 # env; e.g. a wheel on the shared volume) or, better, build an image `FROM` it that pip-installs
 # rlscale and set `image:` to that.
 SEED_IMAGE = "nvcr.io/nvidia/nemo-rl:v0.4.0"
-SECRET_KEYS = ("HF_TOKEN", "WANDB_API_KEY")
 MAX_RAYCLUSTER_NAME = 53  # KubeRay: 63 minus the longest service suffix ("-serve-svc")
 MAX_RAYJOB_NAME = 47  # KubeRay appends 6 characters to name the RayJob's cluster
 
@@ -261,7 +260,7 @@ class ClusterSpec(_Section):
         for key, val in value.items():
             if not isinstance(key, str) or not ENV_NAME.match(key):
                 raise ValueError(f"{key!r} is not an environment variable name")
-            if key in SECRET_KEYS or secret_name(key):
+            if secret_name(key):
                 raise ValueError(f"{key} looks like a secret: list it under secret.required_keys or "
                                  "secret.optional_keys and store it in the Kubernetes Secret")
             if isinstance(val, (dict, list)) or val is None:
@@ -273,11 +272,11 @@ class ClusterSpec(_Section):
     def _no_secret_values(self):
         """Every value here is written into the manifests in plain text (pod env, the RayJob's
         entrypoint and runtime env): the same checks as `rlscale job submit`."""
-        from rlscale.cluster.jobs import env_secret_reason, override_secret_reason, pip_secret_reason
+        from rlscale.cluster.jobs import override_secret_reason, pip_secret_reason, secret_reason
 
         keep = "; keep secrets in the Kubernetes Secret (secret.required_keys / secret.optional_keys)"
         for key, value in self.env.items():
-            reason = env_secret_reason(key, value)
+            reason = secret_reason(key, value)
             if reason:
                 raise ValueError(f"key 'env': {reason}{keep}")
         for number, text in enumerate(self.job.overrides, start=1):

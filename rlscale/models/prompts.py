@@ -22,7 +22,8 @@ class PromptRenderer:
         for text in texts:
             if text not in rendered:
                 ids = self.render_whole(text)
-                rendered[text] = self.fit(ids), len(ids) > (self.max_prompt_tokens or len(ids))
+                fitted = self.fit(ids)
+                rendered[text] = fitted, len(fitted) < len(ids)
         return [list(rendered[text][0]) for text in texts], [rendered[text][1] for text in texts]
 
     def fit(self, ids: list[int]) -> list[int]:

@@ -32,15 +32,10 @@ def sanitize_key(key: str) -> str:
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
     """{"a": {"b": 1}} -> {"a.b": "1"}; values longer than MLflow allows are truncated."""
-    flat: dict[str, str] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, name + "."))
-            continue
-        text = value if isinstance(value, str) else json.dumps(value)
-        flat[sanitize_key(name)] = text[:MAX_PARAM_VALUE]
-    return flat
+    from rlscale.config import flat_dict
+
+    return {sanitize_key(name): (value if isinstance(value, str) else json.dumps(value))[:MAX_PARAM_VALUE]
+            for name, value in flat_dict(config, prefix).items()}
 
 
 def default_tracking_uri(log_dir: Path) -> str:
