@@ -40,7 +40,7 @@ def report_command(run_dir: Path, out: Path | None = None) -> Path:
         _plot(out, "reward_accuracy.png", plot_reward_accuracy, steps, rows),
         _plot(out, "time_split.png", plot_time_split, steps),
         _plot(out, "throughput.png", plot_throughput, steps),
-        _plot(out, "checkpoint_timeline.png", plot_checkpoint_timeline, steps, rows),
+        _plot(out, "checkpoint_timeline.png", plot_checkpoint_timeline, steps, rows, ckpt_dir),
         _plot(out, "checkpoint_disk.png", plot_checkpoint_disk, steps, ckpt_dir),
     ]
     index = out / "index.html"
@@ -92,8 +92,17 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 def _train_rows(rows: list[dict]) -> list[dict]:
-    """One row per training step (the last one logged), in step order."""
-    by_step = {int(r["step"]): r for r in rows if _num(r.get("reward/mean")) is not None}
+    """One row per training step, in step order: the step's last logged training row, with the rows
+    logged for that step after it merged in (a run stopped by a signal, or its final row, logs the
+    last step's save and commit on a row of their own). An earlier attempt at a step (a run that
+    crashed and resumed before it) is replaced whole by the later one."""
+    by_step: dict[int, dict] = {}
+    for row in rows:
+        step = int(row["step"])
+        if _num(row.get("reward/mean")) is not None:
+            by_step[step] = dict(row)
+        elif step in by_step:
+            by_step[step].update(row)
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -197,7 +206,7 @@ def plot_throughput(fig, steps: list[dict]) -> str:
     return "Tokens (prompt and response) processed per second of step time."
 
 
-def plot_checkpoint_timeline(fig, steps: list[dict], rows: list[dict]) -> str:
+def plot_checkpoint_timeline(fig, steps: list[dict], rows: list[dict], ckpt_dir: Path) -> str:
     saves = [int(r["step"]) for r in steps if _num(r.get("ckpt/bytes")) is not None]
     if not saves:
         raise _Skip("No checkpoint was saved in this run, so there is no checkpoint timeline.")
@@ -233,9 +242,25 @@ def plot_checkpoint_timeline(fig, steps: list[dict], rows: list[dict]) -> str:
     pending = [s for s in saves if s not in persist]
     for s in pending:
         ax.annotate("persist\nnot logged", (s + width / 2, 0), ha="center", va="bottom", fontsize="x-small")
-    note = f" Not yet committed when logging stopped: step {', '.join(map(str, pending))}." if pending else ""
     return ("Per save: how long training stalled, and how long persisting took in the background; "
-            "write throughput on the right axis." + note)
+            "write throughput on the right axis." + _unlogged_commits_note(pending, ckpt_dir))
+
+
+def _unlogged_commits_note(pending: list[int], ckpt_dir: Path) -> str:
+    """Saves whose commit no row logged (the run was killed, or its last row came first): the
+    checkpoint directory says whether they committed after all."""
+    if not pending:
+        return ""
+    on_disk = {step for step, _ in committed_steps(ckpt_dir)}
+    kept = [s for s in pending if s in on_disk]
+    lost = [s for s in pending if s not in on_disk]
+    note = ""
+    if kept:
+        note += f" Committed, but its persist time was not logged: step {', '.join(map(str, kept))}."
+    if lost:
+        note += (f" Not committed in {ckpt_dir}: step {', '.join(map(str, lost))} (the run stopped before "
+                 "the save finished, or retention removed it later).")
+    return note
 
 
 def plot_checkpoint_disk(fig, steps: list[dict], ckpt_dir: Path) -> str:

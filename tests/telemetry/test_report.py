@@ -115,3 +115,61 @@ def test_bad_run_dir_is_one_line_user_error(tmp_path, make):
         report_command(target, None)
     message = str(error.value)
     assert "\n" not in message and str(target) in message
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _write_rows(run: Path, rows: list[dict]) -> None:
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _caption(html: str, image: str) -> str:
+    return re.search(rf'<img src="{image}" alt="([^"]*)"', html).group(1)
+
+
+def test_a_save_logged_on_a_row_of_its_own_is_plotted(report_run, tmp_path):
+    """A run stopped by a signal logs its last save on a separate row for that step (no reward);
+    the report merges it into the step's row instead of missing the save."""
+    run = tmp_path / "stopped"
+    shutil.copytree(report_run, run)
+    rows = [r for r in _rows(run) if "reward/mean" in r]
+    last = rows[-1]
+    save_keys = {k: v for k, v in last.items() if k.startswith("ckpt/")}
+    assert "ckpt/bytes" in save_keys
+    stripped = [{k: v for k, v in r.items() if not k.startswith("ckpt/")} for r in rows]
+    _write_rows(run, stripped + [{"step": last["step"], **save_keys}])
+    html = report_command(run, None).read_text()
+    assert "checkpoint_timeline.png" in _images(html)  # was "No checkpoint was saved"
+
+
+def test_a_retried_step_replaces_the_earlier_attempt(tmp_path):
+    """A step logged twice (a crash, then a resume before it): the later attempt's row counts, and
+    a save row of the first attempt does not leak into it."""
+    from rlscale.telemetry.report import _train_rows
+
+    rows = [{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.2, "ckpt/bytes": 10},
+            {"step": 2, "ckpt/committed_step": 2, "ckpt/persist_s": 1.0},
+            {"step": 2, "reward/mean": 0.25}, {"step": 2, "ckpt/stall_s": 0.5}]
+    merged = _train_rows(rows)
+    assert [r["step"] for r in merged] == [1, 2]
+    assert merged[1] == {"step": 2, "reward/mean": 0.25, "ckpt/stall_s": 0.5}
+
+
+def test_a_commit_not_logged_is_checked_on_disk(report_run, tmp_path):
+    """kill -9 after a save committed but before its commit was logged: the report says the step is
+    committed (its dir is there); with the dir gone, that it is not in the checkpoint dir."""
+    from rlscale.ckpt.layout import committed_steps
+
+    run = tmp_path / "killed"
+    shutil.copytree(report_run, run)
+    newest, newest_dir = committed_steps(run / "checkpoints")[-1]
+    rows = [r for r in _rows(run) if r.get("ckpt/committed_step") != newest]
+    _write_rows(run, rows)
+    caption = _caption(report_command(run, None).read_text(), "checkpoint_timeline.png")
+    assert f"Committed, but its persist time was not logged: step {newest}." in caption
+    assert "Not committed" not in caption
+    shutil.rmtree(newest_dir)
+    caption = _caption(report_command(run, None).read_text(), "checkpoint_timeline.png")
+    assert f"Not committed in {run / 'checkpoints'}: step {newest} " in caption
