@@ -313,7 +313,7 @@ def train(cfg: Config) -> dict:
         run = Run(cfg, group, scorer, checkpointer, sinks, loader, datasets.val, state,
                   signals, Deadline(cfg.checkpointing.must_save_by_s(), started))
         with ProgressDisplay(cfg.grpo.max_num_steps, state.step, cfg.logger.progress) as progress:
-            for note in notes:
+            for note in notes + sinks.notes():
                 progress.print(note)
             eval_after = run.loop(progress, resumed_from)
         state.wall_s = run.wall_before + time.perf_counter() - started

@@ -86,6 +86,11 @@ class Sinks:
         for sink in self.sinks:
             sink.close()
 
+    def notes(self) -> list[str]:
+        """Lines for the run's start: where an endpoint serves (a port 0 is the one the OS chose)."""
+        return [f"Prometheus metrics on port {sink.port} (/metrics)" for sink in self.sinks
+                if hasattr(sink, "port")]
+
 
 def _resolved_config(log_dir: Path, config) -> dict[str, Any]:
     """The run's resolved config as a dict: the one given, else <log_dir>/config.yaml, else {}."""

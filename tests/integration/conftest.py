@@ -86,12 +86,12 @@ def resumed_run(tmp_path_factory, tiny_model) -> dict:
 @pytest.fixture(scope="session")
 def straight_run(tmp_path_factory, tiny_model) -> dict:
     """The same 5 steps as `resumed_run` without a restart, plus greedy validation every 2 steps
-    (which must not disturb training) and TensorBoard."""
+    (which must not disturb training), TensorBoard and a Prometheus endpoint on a free port."""
 
     def build(directory: Path) -> dict:
         run = directory / "run"
-        result = run_cli(*train_args(tiny_model, run, 5, "grpo.val_period=2", "logger.tensorboard_enabled=true"),
-                         cwd=directory)
+        result = run_cli(*train_args(tiny_model, run, 5, "grpo.val_period=2", "logger.tensorboard_enabled=true",
+                                     "logger.prometheus_port=0"), cwd=directory)
         return {"dir": str(directory), "run": str(run), "result": asdict(result)}
 
     return build_once(tmp_path_factory, "straight_run", build)

@@ -266,3 +266,13 @@ def test_restart_skips_a_damaged_checkpoint_and_clears_half_written_saves(crashe
 def test_restart_from_an_older_checkpoint_leaves_one_row_per_step(crashed):
     rows = train_rows(Path(crashed["run"]) / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
+
+
+def test_a_prometheus_port_chosen_by_the_os_is_printed(straight_run):
+    """logger.prometheus_port=0 serves on a free port: the run says which."""
+    import re
+
+    _ok(straight_run["result"])
+    output = straight_run["result"]["stdout"] + straight_run["result"]["stderr"]
+    ports = re.findall(r"Prometheus metrics on port (\d+) \(/metrics\)", output)
+    assert len(ports) == 1 and 0 < int(ports[0]) < 65536, output[-2000:]
