@@ -37,6 +37,26 @@ def resolve_model_path(name: str, key: str = "policy.model_name") -> str:
     return name
 
 
+def cached_snapshot(repo_id: str, tokenizer_only: bool = False) -> str | None:
+    """The local snapshot of hub id `repo_id` in the Hugging Face cache (HF_HOME), if it holds a
+    whole model (or tokenizer); else None (transformers then downloads it).
+
+    Loading from the snapshot directory asks the hub nothing: every worker of a cluster run reads
+    the shared cache (HF_HOME on the shared volume) without one request per file, and a machine
+    whose network cannot reach the hub starts at once instead of waiting out the retries."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached, or not a valid repo id: transformers reports it
+        return None
+    files = {p.name for p in path.iterdir()}
+    tokenizer = bool(files & {"tokenizer.json", "tokenizer_config.json"})
+    weights = any(f.endswith((".safetensors", ".bin")) for f in files)
+    whole = tokenizer if tokenizer_only else "config.json" in files and weights
+    return str(path) if whole else None
+
+
 def pick_device(choice: str) -> torch.device:
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -64,6 +84,8 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, key: str = "polic
 
     quiet_transformers()
     path = resolve_model_path(name, key)
+    if path == name:  # a hub id
+        path = cached_snapshot(name, tokenizer_only=True) or name
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises many types for a bad id or path
@@ -80,6 +102,8 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, trust_remote
 
     quiet_transformers()
     path = resolve_model_path(name)
+    if path == name:  # a hub id
+        path = cached_snapshot(name) or name
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code)

@@ -20,3 +20,43 @@ def test_a_missing_path_is_named_with_its_key(tmp_path):
     with pytest.raises(UserError, match=r"^policy.model_name: no built-in model 'builtin:nope' \(built-ins: .*tiny-arith"):
         resolve_model_path("builtin:nope")
     assert resolve_model_path("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"  # a hub id passes through
+
+
+def _hub_cache_entry(cache, repo_id: str, files: dict[str, bytes]):
+    """A Hugging Face hub cache entry as downloads leave it: refs/main names a snapshot dir."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for name, data in files.items():
+        (snapshot / name).write_bytes(data)
+    return snapshot
+
+
+def test_a_cached_hub_id_loads_from_its_snapshot_without_the_hub(tmp_path, monkeypatch):
+    """A hub id found whole in the cache loads from the snapshot dir (no request: the hub endpoint
+    here is a closed port); a partial entry (config only) is left to transformers."""
+    import huggingface_hub.constants
+    import torch
+
+    from rlscale.models.loading import cached_snapshot, load_model
+    from rlscale.models.tiny import build_char_tokenizer, build_tiny_model
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    source = tmp_path / "source"
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(tokenizer, hidden_size=32, layers=1, heads=2, seed=0).save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    snapshot = _hub_cache_entry(cache, "acme/tiny", {p.name: p.read_bytes() for p in source.iterdir()})
+    assert cached_snapshot("acme/tiny") == str(snapshot)
+    model = load_model("acme/tiny", torch.float32, torch.device("cpu"))
+    assert model.config.hidden_size == 32
+    assert load_tokenizer("acme/tiny").get_vocab() == tokenizer.get_vocab()
+
+    _hub_cache_entry(cache, "acme/partial", {"config.json": (source / "config.json").read_bytes()})
+    assert cached_snapshot("acme/partial") is None and cached_snapshot("acme/partial", tokenizer_only=True) is None
+    assert cached_snapshot("acme/not-cached") is None
