@@ -122,6 +122,10 @@ class LossConfig(_Section):
     reference_policy_kl_penalty: float = Field(
         0.01, ge=0.0, description="k3 KL weight (beta); 0 drops the reference model")
     token_level_loss: bool = Field(True, description="mean over all tokens of the global batch")
+    skip_zero_advantage: bool = Field(
+        True, description="leave samples with a zero advantage (their group's rewards all agree) out of the "
+                          "update's forward and backward: with reference_policy_kl_penalty=0 their gradient is "
+                          "exactly 0; with a KL penalty every sample is trained")
 
 
 class GRPOConfig(_Section):
@@ -357,8 +361,8 @@ class DerivedSizes:
 RANKABLE_METRICS = (
     "accuracy", "grpo/zero_std_groups", "prompt/cut_fraction", "response/length_mean", "response/truncated_fraction",
     "reward/errors", "reward/mean", "reward/std", "reward/timeouts", "train/clip_fraction", "train/entropy",
-    "train/grad_norm", "train/kl", "train/loss", "train/lr", "train/token_mult_prob_error", "val/accuracy",
-    "val/pass_at_1", "val/response_length", "val/reward_mean",
+    "train/grad_norm", "train/kl", "train/loss", "train/lr", "train/skipped_fraction", "train/token_mult_prob_error",
+    "val/accuracy", "val/pass_at_1", "val/response_length", "val/reward_mean",
 )
 
 

@@ -24,7 +24,7 @@ from rlscale.data import PromptLoader, build_datasets
 from rlscale.errors import UserError
 from rlscale.fsutil import ensure_writable_dir, write_atomic
 from rlscale.evaluate import EvalResult, evaluate, is_correct
-from rlscale.grpo import group_advantages
+from rlscale.grpo import carries_gradient, group_advantages
 from rlscale.preemption import EXIT_DEADLINE, Deadline, RunStopped, StopSignals, save_fits
 from rlscale.rewards import RewardScorer
 from rlscale.telemetry import ProgressDisplay, StepTimer, build_sinks, print_note
@@ -99,26 +99,32 @@ def generate_rollouts(group, texts: list[str], params: SamplingParams) -> Rollou
 
 def train_on_rollouts(cfg: Config, group, rollouts: Rollouts, advantages: list[float], step: int,
                       pad_id: int) -> dict[str, float]:
-    """Shuffle samples, cut them into optimizer steps, shard each step over the workers."""
+    """Shuffle samples, cut them into optimizer steps, shard each step's trained samples over the
+    workers (samples without a gradient, see `carries_gradient`, only count in the normaliser)."""
     sizes = derive_sizes(cfg)
     generator = torch.Generator().manual_seed((cfg.grpo.seed * 100_003 + step) % 2**63)  # any seed in range
     order = torch.randperm(len(advantages), generator=generator)
     order = order.tolist()
+    trains = carries_gradient(advantages, cfg.loss.reference_policy_kl_penalty, cfg.loss.skip_zero_advantage)
     gbs = cfg.policy.train_global_batch_size
     per_worker: list[list] = [[] for _ in range(group.world_size)]
-    global_tokens = []
+    global_tokens, trained_tokens = [], []
     for start in range(0, len(order), gbs):
         chosen = order[start:start + gbs]
         global_tokens.append(float(sum(len(rollouts.response_ids[i]) for i in chosen)))
-        for rank, shard in enumerate(split_evenly(chosen, group.world_size)):
+        trained = [i for i in chosen if trains[i]]  # split after the cut: the optimizer steps stay the same
+        trained_tokens.append(float(sum(len(rollouts.response_ids[i]) for i in trained)))
+        for rank, shard in enumerate(split_evenly(trained, group.world_size)):
             per_worker[rank].append(build_train_batch(
                 [rollouts.prompt_ids[i] for i in shard], [rollouts.response_ids[i] for i in shard],
                 [advantages[i] for i in shard], pad_id, cfg.policy.max_total_sequence_length,
                 [rollouts.logprobs[i] for i in shard] if rollouts.logprobs else None))
-    results = group.run_all("train", [(steps, global_tokens, gbs, sizes.micro_batch_size) for steps in per_worker])
+    results = group.run_all("train", [(steps, global_tokens, gbs, sizes.micro_batch_size, trained_tokens)
+                                      for steps in per_worker])
     # each worker reports its share of a global mean, so the global value is their sum
     summed = {key: sum(r[key] for r in results) for key in results[0] if key not in ("grad_norm", "lr")}
-    summed.update(grad_norm=results[0]["grad_norm"], lr=results[0]["lr"])
+    summed.update(grad_norm=results[0]["grad_norm"], lr=results[0]["lr"],
+                  skipped_fraction=1.0 - sum(trains) / max(len(trains), 1))
     return {f"train/{k}": v for k, v in summed.items()}
 
 

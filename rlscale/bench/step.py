@@ -146,7 +146,8 @@ def run_rlscale(model_dir: Path, steps: int, log_dir: Path, profile_step: int | 
                  "logprobs_s": 0.0,  # one optimizer step, no reference: pi_old is the training forward itself
                  "reward_s": r.get("time/reward_s"), "train_s": r.get("time/train_s"),
                  "checkpoint_s": r.get("time/checkpoint_s", 0.0),
-                 "response_length_mean": r.get("response/length_mean")} for r in rows]
+                 "response_length_mean": r.get("response/length_mean"),
+                 "skipped_fraction": r.get("train/skipped_fraction")} for r in rows]
     return {"status": "ok", "steps_run": len(rows) + len(profiled), "per_step": per_step, **summarize(per_step),
             "micro_batch_size": micro_batch_size(), "rlscale_summary": summary,
             **({"profiled_step": profile_step, "sections_ms": summary.pop("sections_ms")} if profile_step else {})}

@@ -67,7 +67,7 @@ def build_train_batch(
     responses = [r[:max(0, max_length - len(p))] for p, r in zip(prompt_ids, response_ids)]
     prompt_len = np.array([len(p) for p in prompt_ids], dtype=np.int64)
     total = prompt_len + np.array([len(r) for r in responses], dtype=np.int64)
-    width = int(total.max())
+    width = int(total.max(initial=1))  # a worker may get no sample of an optimizer step
     real = np.arange(width) < total[:, None]  # row-major order = the order of the tokens below
     input_ids = np.full(real.shape, pad_id, dtype=np.int64)
     input_ids[real] = np.fromiter(chain.from_iterable(chain(p, r) for p, r in zip(prompt_ids, responses)),
@@ -76,7 +76,7 @@ def build_train_batch(
     target = np.arange(width - 1)
     is_response = (target >= prompt_len[:, None] - 1) & (target < total[:, None] - 1)
     sampled = None
-    if gen_logprobs:
+    if gen_logprobs is not None:  # [] for a worker given no sample: still reported, as by the others
         sampled = np.zeros(is_response.shape, dtype=np.float32)
         sampled[is_response] = np.fromiter(
             chain.from_iterable(lp[:len(r)] for lp, r in zip(gen_logprobs, responses)), dtype=np.float32,

@@ -216,7 +216,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         return out
 
     def train(self, steps: list[TrainBatch], global_tokens: list[float], global_samples: int,
-              micro_batch_size: int) -> dict[str, float]:
+              micro_batch_size: int, trained_tokens: list[float] | None = None) -> dict[str, float]:
         """One GRPO update: an optimizer step per batch in `steps` (this worker's share of it).
 
         global_tokens[i]: response tokens in optimizer step i summed over all workers, so that the
@@ -224,12 +224,16 @@ class PolicyWorker(state_io.CheckpointableWorker):
         sequences per optimizer step over all workers (for the per-sequence mean).
         micro_batch_size: samples per micro-batch, used for the token budget when
         policy.train_micro_batch_tokens is not set.
+        trained_tokens[i]: the response tokens of the samples the workers train on in step i (the
+        controller leaves out those without a gradient; default: all of global_tokens), over which
+        the entropy and the sampler/trainer agreement are averaged.
         """
         with self.profiler.around("train"):
-            return self._train(steps, global_tokens, global_samples, micro_batch_size)
+            return self._train(steps, global_tokens, global_samples, micro_batch_size,
+                               trained_tokens or global_tokens)
 
     def _train(self, steps: list[TrainBatch], global_tokens: list[float], global_samples: int,
-               micro_batch_size: int) -> dict[str, float]:
+               micro_batch_size: int, trained_tokens: list[float]) -> dict[str, float]:
         budget = self._token_budget(micro_batch_size)
         # one packing per optimizer step, shared by its logprob passes and its update
         packs = [self._micro_batches(batch, budget) for batch in steps]
@@ -244,7 +248,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self.profiler.mark("old and reference logprobs")
         totals: dict[str, float] = {}
         for i, batch in enumerate(steps):
-            stats = self._optimizer_step(batch, packs[i], old[i], ref[i], global_tokens[i], global_samples)
+            stats = self._optimizer_step(batch, packs[i], old[i], ref[i], global_tokens[i], global_samples,
+                                         trained_tokens[i])
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value / len(steps)
         return totals
@@ -265,7 +270,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
             packs += [filler_pack(self.tokenizer.pad_token_id)] * (count - len(packs))
         return packs
 
-    def _optimizer_step(self, batch, micro_batches, old, ref, global_tokens, global_samples) -> dict[str, float]:
+    def _optimizer_step(self, batch, micro_batches, old, ref, global_tokens, global_samples,
+                        trained_tokens) -> dict[str, float]:
         """old, ref: logprobs per micro-batch (None: pi_old is the training forward itself / no KL)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -283,8 +289,16 @@ class PolicyWorker(state_io.CheckpointableWorker):
             for i, mb in enumerate(micro_batches):
                 distributed.last_micro_batch(self.model, i == len(micro_batches) - 1, self.sharded)
                 self._accumulate(mb, batch, None if old is None else old[i], None if ref is None else ref[i],
-                                 norm, seq_norm, response_lengths, sums)
+                                 norm, seq_norm, max(trained_tokens, 1.0), response_lengths, sums)
                 self.profiler.mark(f"micro-batch {i} forward+backward")
+        if not micro_batches:
+            # nothing to train (every sample skipped): zero gradients, so that AdamW still steps as
+            # it would have (momentum, weight decay). Resharded first: the sharded parameters are
+            # the optimizer's, and the generation may have left them gathered for this update.
+            distributed.reshard(self.model, self.sharded)
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         max_norm = self.cfg.policy.max_grad_norm or math.inf
         grad_norm = distributed.clip_grad_norm(list(self.model.parameters()), max_norm, self.sharded)
         self.profiler.mark("clip gradients")
@@ -293,10 +307,12 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self.scheduler.step()
         self.profiler.mark("optimizer step")
         stats = {key: float(value) for key, value in sums.items()}
+        if not trained_tokens:  # means over no token
+            stats.update({key: math.nan for key in ("entropy", "token_mult_prob_error") if key in stats})
         stats.update(grad_norm=distributed.as_float(grad_norm), lr=lr)
         return stats
 
-    def _accumulate(self, mb, batch, old, ref, norm, seq_norm, response_lengths, sums) -> None:
+    def _accumulate(self, mb, batch, old, ref, norm, seq_norm, trained_tokens, response_lengths, sums) -> None:
         """Forward and backward of one packed micro-batch; gradients add up in the parameters.
 
         old, ref: pi_old's and the reference's logprobs of the pack's tokens (old None: the
@@ -329,17 +345,19 @@ class PolicyWorker(state_io.CheckpointableWorker):
             losses = token_loss(logprobs)
         losses.sum().backward()
         with torch.no_grad():
-            # metrics: this worker's share of the global token mean (the controller adds the shares)
+            # metrics: this worker's share of a global token mean (the controller adds the shares).
+            # loss, kl and clipping over every token (a skipped sample's are 0); entropy and the
+            # sampler agreement over the trained tokens (a skipped sample's are not computed)
             global_tokens = norm * self.world_size
             terms = terms_of(logprobs.detach())
             if batch.gen_logprobs is not None:
                 # sampler vs trainer on the same tokens under pi_old: mean exp|difference|, 1.0 = identical
                 gen = to_device(batch.gen_logprobs[rows, cols], self.device)
                 pi_old = logprobs.detach() if old is None else old
-                sums["token_mult_prob_error"] += (gen - pi_old).abs().exp().sum() / global_tokens
-            for key, per_token in (("loss", terms.loss[0]), ("kl", terms.kl[0]),
-                                   ("clip_fraction", terms.clipped[0]), ("entropy", entropy)):
+                sums["token_mult_prob_error"] += (gen - pi_old).abs().exp().sum() / trained_tokens
+            for key, per_token in (("loss", terms.loss[0]), ("kl", terms.kl[0]), ("clip_fraction", terms.clipped[0])):
                 sums[key] += per_token.sum() / global_tokens
+            sums["entropy"] += entropy.sum() / trained_tokens
 
     # ------------------------------------------------------------------ state
 

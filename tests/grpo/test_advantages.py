@@ -32,3 +32,22 @@ def test_groups_with_equal_rewards_get_zero_advantage_not_nan():
 def test_rejects_groups_of_one():
     with pytest.raises(ValueError):
         group_advantages(torch.tensor([[1.0], [0.0]]))
+
+
+@pytest.mark.parametrize("leave_one_out", [True, False])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_agreeing_groups_get_exactly_zero_whatever_the_rounding(leave_one_out, normalize):
+    """0.3 eight times does not sum to 2.4 in float32: the baseline missed the reward by ~1e-8."""
+    rewards = torch.tensor([[0.3] * 8, [0.7] * 8, [0.1, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 0.9]])
+    adv = group_advantages(rewards, leave_one_out, normalize)
+    assert torch.equal(adv[:2], torch.zeros(2, 8))
+    assert (adv[2] != 0).sum() >= 2
+
+
+def test_only_samples_with_a_gradient_are_trained():
+    from rlscale.grpo import carries_gradient
+
+    advantages = [0.0, 1.5, -0.0, -2.0]
+    assert carries_gradient(advantages, kl_beta=0.0) == [False, True, False, True]
+    assert carries_gradient(advantages, kl_beta=0.01) == [True] * 4  # the KL term has a gradient
+    assert carries_gradient(advantages, kl_beta=0.0, skip_zero_advantage=False) == [True] * 4
