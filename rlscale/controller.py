@@ -25,7 +25,7 @@ from rlscale.errors import UserError
 from rlscale.fsutil import ensure_writable_dir, write_atomic
 from rlscale.evaluate import EvalResult, evaluate, is_correct
 from rlscale.grpo import carries_gradient, group_advantages
-from rlscale.preemption import EXIT_DEADLINE, Deadline, RunStopped, StopSignals, save_fits
+from rlscale.preemption import EXIT_DEADLINE, Deadline, RunStopped, StopRequests, StopSignals, save_fits
 from rlscale.rewards import RewardScorer
 from rlscale.telemetry import ProgressDisplay, StepTimer, build_sinks, print_note
 from rlscale.workers.batch import Rollouts, build_train_batch
@@ -315,7 +315,8 @@ def train(cfg: Config) -> dict:
         # this one takes again) must not pass for this run's if it stops before writing its own
         (run_dir / "summary.json").unlink(missing_ok=True)
         write_atomic(run_dir / "config.yaml", cfg.to_yaml())
-        signals = cleanup.enter_context(StopSignals())  # SIGTERM/SIGINT: save, then RunStopped
+        # SIGTERM/SIGINT, or a worker pod's stop request: save, then RunStopped
+        signals = cleanup.enter_context(StopSignals(StopRequests.from_env()))
         run = Run(cfg, group, scorer, checkpointer, sinks, loader, datasets.val, state,
                   signals, Deadline(cfg.checkpointing.must_save_by_s(), started))
         with ProgressDisplay(cfg.grpo.max_num_steps, state.step, cfg.logger.progress) as progress:
@@ -490,6 +491,7 @@ class Run:
         if ckpt.enabled:
             for committed in self.checkpointer.wait():
                 final.update(self.committed(committed))
+        signals.acknowledge()  # committed: a pod that asked for the stop may go
         if final:
             self.sinks.log(state.step, final)
         newest = self.checkpointer.latest() if ckpt.enabled else None

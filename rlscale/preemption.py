@@ -11,14 +11,24 @@ what it can and `train()` raises `RunStopped`, which the CLI turns into a docume
 
 A second signal while stopping exits at once with the same code: a save still in flight then
 stays an uncommitted tmp_step_N/, which is never trusted and is removed at the next start.
+
+On a cluster, a worker pod being stopped (a preempted spot node) cannot signal the driver, which
+runs on the head; its preStop hook (`rlscale.cluster.render.WORKER_PRE_STOP`) instead leaves a
+request file in a directory on the shared volume (RLSCALE_STOP_REQUESTS) and waits. The driver
+reads it at the same safe points as a signal (`StopRequests`), saves, and removes the request once
+the save has committed; the hook then returns and the pod stops, its GPU worker having taken part
+in the save. Exit code 143, as for SIGTERM.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
+from typing import Callable
 
 EXIT_SIGTERM = 128 + signal.SIGTERM
 EXIT_SIGINT = 128 + signal.SIGINT
@@ -35,22 +45,95 @@ class RunStopped(Exception):
         self.exit_code = exit_code
 
 
+STOP_REQUESTS_ENV = "RLSCALE_STOP_REQUESTS"
+
+
+def ray_node_alive(hostname: str) -> bool:
+    """Whether a live node of this process's Ray cluster runs on `hostname` (a pod's name); True
+    outside Ray (nothing to check against)."""
+    import ray
+
+    if not ray.is_initialized():
+        return True
+    return any(node.get("Alive") and node.get("NodeManagerHostname") == hostname for node in ray.nodes())
+
+
+class StopRequests:
+    """Stop requests left by pods about to be stopped: one file per pod, named by its hostname,
+    in `directory` (see the module's docstring). A request from a pod no longer in the Ray cluster
+    is stale (its hook was killed before the driver saw it): removed, not obeyed, so that a retried
+    job does not stop again for a pod long gone."""
+
+    def __init__(self, directory: str | os.PathLike | None, alive: Callable[[str], bool] = ray_node_alive):
+        self.directory = Path(directory) if directory else None
+        self.alive = alive
+        self.seen: list[Path] = []
+
+    @classmethod
+    def from_env(cls) -> StopRequests:
+        return cls(os.environ.get(STOP_REQUESTS_ENV) or None)
+
+    def pending(self) -> tuple[str, float] | None:
+        """(pod, seconds since its request) of a live pod's request. A directory listing per safe
+        point: a few per step, each a metadata operation of about a millisecond on Lustre."""
+        if self.directory is None:
+            return None
+        try:
+            entries = sorted(p for p in self.directory.iterdir() if not p.name.startswith("."))
+        except OSError:  # no directory yet: no request
+            return None
+        for path in entries:
+            try:
+                age = max(time.time() - path.stat().st_mtime, 0.0)
+            except OSError:
+                continue
+            if self.alive(path.name):
+                self.seen.append(path)
+                return path.name, age
+            path.unlink(missing_ok=True)
+        return None
+
+    def acknowledge(self) -> None:
+        """Remove the requests obeyed: their hooks return and their pods stop."""
+        for path in self.seen:
+            path.unlink(missing_ok=True)
+        self.seen.clear()
+
+
 class StopSignals:
     """While entered (in the main thread), SIGTERM and SIGINT record a stop request instead of
-    ending the process; the previous handlers (Ray's driver installs one) come back on exit."""
+    ending the process; the previous handlers (Ray's driver installs one) come back on exit.
+    `requests`, if given, are read like a SIGTERM (a worker pod's stop)."""
 
-    def __init__(self) -> None:
+    def __init__(self, requests: StopRequests | None = None) -> None:
         self.signum: int | None = None
         self.received_at: float | None = None  # time.monotonic() of the first signal
         self._previous: dict[int, object] = {}
+        self.requests = requests
+        self.requester: str | None = None  # the pod whose stop request is obeyed
 
     @property
     def requested(self) -> bool:
+        if self.signum is None and self.requests is not None:
+            found = self.requests.pending()
+            if found is not None:
+                pod, age = found
+                # the grace started when the pod's hook wrote the request
+                self.signum, self.received_at, self.requester = signal.SIGTERM, time.monotonic() - age, pod
+                print(f"rlscale: pod {pod} is being stopped ({self.requests.directory / pod}): saving and stopping "
+                      "at this safe point", file=sys.stderr, flush=True)
         return self.signum is not None
 
     @property
     def name(self) -> str:
+        if self.requester is not None:
+            return f"the stop of pod {self.requester}"
         return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    def acknowledge(self) -> None:
+        """The stop is done (saved, or given up): release the pods that asked for it."""
+        if self.requests is not None:
+            self.requests.acknowledge()
 
     @property
     def exit_code(self) -> int:

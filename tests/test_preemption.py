@@ -52,3 +52,35 @@ def test_the_deadline_is_due_when_one_more_step_and_save_would_pass_it():
     assert not deadline.due(step_estimate_s=10, save_estimate_s=10)
     assert deadline.due(step_estimate_s=10, save_estimate_s=25)
     assert not Deadline(None, started).due(1e9, 1e9)
+
+
+def test_stop_requests_from_live_pods_are_obeyed_and_stale_ones_removed(tmp_path):
+    """A pod's request (a file named by its hostname) stops the run like a SIGTERM received when
+    the file was written; one from a pod no longer in the cluster is removed and ignored."""
+    from rlscale.preemption import StopRequests
+
+    live = {"worker-1"}
+    requests = StopRequests(tmp_path, alive=lambda pod: pod in live)
+    signals = StopSignals(requests)
+    assert not signals.requested  # nothing there
+    (tmp_path / ".worker-2.tmp").write_text("half written")
+    (tmp_path / "worker-0").write_text("a pod long gone")
+    assert not signals.requested
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".worker-2.tmp"]  # the stale one removed
+    (tmp_path / "worker-1").write_text("stop")
+    written = time.time() - 5
+    os.utime(tmp_path / "worker-1", (written, written))
+    assert signals.requested and signals.exit_code == EXIT_SIGTERM
+    assert signals.name == "the stop of pod worker-1"
+    assert 4.5 < signals.seconds_since() < 30  # the grace counts from the request
+    assert (tmp_path / "worker-1").exists()  # kept until the save is done
+    signals.acknowledge()
+    assert not (tmp_path / "worker-1").exists() and (tmp_path / ".worker-2.tmp").exists()
+
+
+def test_without_a_directory_there_are_no_requests(tmp_path):
+    from rlscale.preemption import StopRequests
+
+    assert StopRequests(None).pending() is None
+    assert StopRequests(tmp_path / "not-yet-made").pending() is None
+    assert not StopSignals(StopRequests(None)).requested

@@ -2,6 +2,8 @@
 
     RLSCALE_FAULT=commit.after_manifest:2          SIGKILL this process at the 2nd time it passes there
     RLSCALE_FAULT=loop.after_step:3:SIGTERM        send itself SIGTERM instead (a preemption)
+    RLSCALE_FAULT=loop.after_step:3:PRESTOP        run a worker pod's preStop hook (its stop request
+                                                   in RLSCALE_STOP_REQUESTS), as a pod being stopped
 
 Without the variable (always, outside tests) `maybe_fault` is a dictionary lookup. The points, in
 the order a save passes them (see checkpointer.py and engine.py):
@@ -30,20 +32,40 @@ _lock = threading.Lock()
 _hits: dict[str, int] = {}
 
 
-def _parse(text: str) -> tuple[str, int, int]:
+def _parse(text: str) -> tuple[str, int, str]:
     point, _, rest = text.partition(":")
     nth, _, name = rest.partition(":")
-    return point, int(nth or 1), getattr(signal, name or "SIGKILL")
+    return point, int(nth or 1), name or "SIGKILL"
+
+
+def _worker_pre_stop() -> None:
+    """Start the worker pods' preStop hook in a process of its own, as Kubernetes would, and return
+    once its request is there; it waits (up to a minute) for the run to acknowledge it."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from rlscale.cluster.render import WORKER_PRE_STOP
+    from rlscale.preemption import STOP_REQUESTS_ENV
+
+    directory = Path(os.environ[STOP_REQUESTS_ENV])
+    subprocess.Popen([sys.executable, "-c", WORKER_PRE_STOP, str(directory), "60"])
+    while not any(not p.name.startswith(".") for p in directory.glob("*")):
+        time.sleep(0.05)
 
 
 def maybe_fault(point: str) -> None:
-    """Signal this process when RLSCALE_FAULT names `point` and this is its nth passage."""
+    """Signal this process (or run a pod's preStop hook) when RLSCALE_FAULT names `point` and this
+    is its nth passage."""
     spec = os.environ.get(ENV)
     if not spec or not spec.startswith(point + ":") and spec != point:
         return
-    name, nth, signum = _parse(spec)
+    name, nth, action = _parse(spec)
     with _lock:
         _hits[name] = _hits.get(name, 0) + 1
         hit = _hits[name] == nth
-    if hit:
-        os.kill(os.getpid(), signum)
+    if hit and action == "PRESTOP":
+        _worker_pre_stop()
+    elif hit:
+        os.kill(os.getpid(), getattr(signal, action))

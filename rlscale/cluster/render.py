@@ -31,8 +31,16 @@ def _labels(spec: ClusterSpec) -> dict[str, str]:
     return {"app.kubernetes.io/name": "rlscale", "app.kubernetes.io/instance": spec.name}
 
 
+def stop_requests_dir(spec: ClusterSpec) -> str:
+    """Where worker pods being stopped leave their request for the driver (rlscale.preemption)."""
+    return f"{spec.storage.mount_path.rstrip('/')}/.rlscale/stop-requests/{spec.name}"
+
+
 def _env(spec: ClusterSpec) -> list[dict[str, Any]]:
+    from rlscale.preemption import STOP_REQUESTS_ENV
+
     env = [{"name": k, "value": v} for k, v in spec.env.items()]
+    env.append({"name": STOP_REQUESTS_ENV, "value": stop_requests_dir(spec)})
     for key in spec.secret.required_keys + spec.secret.optional_keys:
         ref = {"name": spec.secret.name, "key": key}
         if key in spec.secret.optional_keys:
@@ -87,6 +95,30 @@ while drivers():
 """
 
 
+# A worker pod's preStop hook. Its SIGTERM would kill the pod's Ray worker, and the driver on the
+# head would learn of it only when the next collective failed, losing the steps since the last
+# save. The hook instead leaves a request named by the pod's hostname in the stop-requests
+# directory on the shared volume (written whole: a temporary dot-file, then renamed) and waits for
+# the driver to remove it, which it does once its emergency save has committed (see
+# rlscale.preemption.StopRequests), or until its wait runs out. Plain Python, as HEAD_PRE_STOP.
+# Arguments: the directory, the most seconds to wait.
+WORKER_PRE_STOP = """\
+import os, socket, sys, time
+directory, wait_s = sys.argv[1], float(sys.argv[2])
+os.makedirs(directory, exist_ok=True)
+path = os.path.join(directory, socket.gethostname())
+tmp = os.path.join(directory, '.' + socket.gethostname() + '.tmp')
+with open(tmp, 'w') as f:
+    f.write('stop requested at %f\\n' % time.time())
+    f.flush()
+    os.fsync(f.fileno())
+os.replace(tmp, path)
+deadline = time.monotonic() + wait_s
+while os.path.exists(path) and time.monotonic() < deadline:
+    time.sleep(0.5)
+"""
+
+
 def _pod(spec: ClusterSpec, container: dict[str, Any]) -> dict[str, Any]:
     return {
         "metadata": {"labels": _labels(spec)},
@@ -134,6 +166,9 @@ def ray_cluster_spec(spec: ClusterSpec) -> dict[str, Any]:
         "resources": {"limits": dict(per_node), "requests": dict(per_node)},
         "env": _env(spec),
         "volumeMounts": _mounts(spec),
+        # tell the driver, and keep this pod's Ray worker for its emergency save (WORKER_PRE_STOP)
+        "lifecycle": {"preStop": {"exec": {"command": [
+            "python", "-c", WORKER_PRE_STOP, stop_requests_dir(spec), str(spec.termination_grace_period_s)]}}},
     }
     return {
         "rayVersion": spec.ray_version,

@@ -205,7 +205,13 @@ def test_rayjob_embeds_the_same_cluster_and_runs_rlscale(rendered):
     assert rj["spec"]["backoffLimit"] == 3
     head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert head["lifecycle"]["preStop"]["exec"]["command"][-1] == "rlscale"
-    assert all("lifecycle" not in g["template"]["spec"]["containers"][0] for g in rc["spec"]["workerGroupSpecs"])
+    # worker pods leave a stop request where the driver (on the head) looks for it, on the shared volume
+    requests = "/lustre/.rlscale/stop-requests/rlscale"
+    for group in rc["spec"]["workerGroupSpecs"]:
+        worker = group["template"]["spec"]["containers"][0]
+        assert worker["lifecycle"]["preStop"]["exec"]["command"][-2:] == [requests, "30"]
+    for container in [head] + [g["template"]["spec"]["containers"][0] for g in rc["spec"]["workerGroupSpecs"]]:
+        assert {"name": "RLSCALE_STOP_REQUESTS", "value": requests} in container["env"]
 
 
 def test_the_head_pre_stop_hook_signals_the_driver_and_waits_for_it_to_exit(tmp_path):
@@ -239,6 +245,37 @@ def test_the_head_pre_stop_hook_signals_the_driver_and_waits_for_it_to_exit(tmp_
         for process in (driver, bystander):
             process.kill()
             process.wait()
+
+
+def test_the_worker_pre_stop_hook_leaves_a_request_and_waits_for_the_driver(tmp_path):
+    """It writes its request whole (named by the pod's hostname), returns once the driver removed
+    it, and returns anyway when its wait runs out."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from rlscale.cluster.render import WORKER_PRE_STOP
+
+    directory = tmp_path / "stop-requests" / "cluster"
+    request = directory / socket.gethostname()
+    hook = subprocess.Popen([sys.executable, "-c", WORKER_PRE_STOP, str(directory), "60"])
+    try:
+        deadline = time.monotonic() + 30
+        while not request.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert request.read_text().startswith("stop requested at ")
+        assert [p.name for p in directory.iterdir()] == [request.name]  # no temporary file left
+        time.sleep(1.0)
+        assert hook.poll() is None, "it waits for the driver"
+        request.unlink()  # the driver's acknowledgement
+        assert hook.wait(timeout=10) == 0
+    finally:
+        hook.kill()
+        hook.wait()
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", WORKER_PRE_STOP, str(directory), "1"], check=True, timeout=30)
+    assert time.monotonic() - start >= 0.9 and request.exists()  # no driver: it waited its 1 s, then returned
 
 
 def test_podmonitoring_selects_the_ray_pods_and_scrapes_the_metrics_port(rendered):

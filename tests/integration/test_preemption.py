@@ -46,6 +46,25 @@ def _stop_line(result) -> str:
     return lines[0]
 
 
+def test_a_worker_pods_stop_request_saves_releases_the_pod_and_resumes_bit_for_bit(
+        tiny_model, tmp_path, monkeypatch, straight_run):
+    """A worker pod being stopped runs its preStop hook (rlscale.cluster.render.WORKER_PRE_STOP),
+    which leaves a request on the shared volume and waits; the run saves its unsaved step,
+    removes the request (the hook returns) and exits 143, as for a SIGTERM."""
+    import socket
+
+    requests = tmp_path / "stop-requests"
+    monkeypatch.setenv("RLSCALE_STOP_REQUESTS", str(requests))
+    run, stopped, rows, steps = _stop_then_resume(tiny_model, tmp_path, monkeypatch, "loop.after_step:3:PRESTOP")
+    assert stopped.returncode == 143, stopped.output
+    line = _stop_line(stopped)
+    assert f"stopped by the stop of pod {socket.gethostname()} after step 3" in line, line
+    assert "step_3 is the newest checkpoint" in line
+    assert [row["step"] for row in rows] == [1, 2, 3] and steps == ["step_2", "step_3"]
+    assert [p.name for p in requests.iterdir()] == []  # acknowledged, nothing left for the next run
+    _assert_same_as_straight(run, straight_run)
+
+
 def test_sigterm_after_an_unsaved_step_saves_it_exits_143_and_resumes_bit_for_bit(
         tiny_model, tmp_path, monkeypatch, straight_run):
     # save_period=2: step 2 is saved, step 3 is not when the signal comes
