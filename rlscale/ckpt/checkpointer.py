@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import threading
 import time
@@ -165,7 +166,10 @@ class Checkpointer:
                         "bytes": sum(size for size, _ in files.values()),
                         "files": {rel: files[rel][0] for rel in sorted(files)},
                         "checksums": {rel: files[rel][1] for rel in sorted(files)},
-                        "metrics": metrics, "config_digest": self.config_digest, "created_unix": time.time()}
+                        # a non-finite metric (a mean over no token) as null: the manifest stays strict JSON
+                        "metrics": {k: v if not isinstance(v, float) or math.isfinite(v) else None
+                                    for k, v in metrics.items()},
+                        "config_digest": self.config_digest, "created_unix": time.time()}
             write_file(str(tmp / layout.MANIFEST), json.dumps(manifest, indent=1).encode())
             for sub in sorted({(tmp / rel).parent for rel in files}, reverse=True):
                 layout.fsync_path(sub)  # the new names inside tmp/ are durable before the rename

@@ -39,22 +39,39 @@ def resolve_model_path(name: str, key: str = "policy.model_name") -> str:
 
 def cached_snapshot(repo_id: str, tokenizer_only: bool = False) -> str | None:
     """The local snapshot of hub id `repo_id` in the Hugging Face cache (HF_HOME), if it holds a
-    whole model (or tokenizer); else None (transformers then downloads it).
+    whole model (or tokenizer); else None (transformers then asks the hub and downloads).
 
-    Loading from the snapshot directory asks the hub nothing: every worker of a cluster run reads
-    the shared cache (HF_HOME on the shared volume) without one request per file, and a machine
-    whose network cannot reach the hub starts at once instead of waiting out the retries."""
+    Loading from the snapshot directory asks the hub nothing, as HF_HUB_OFFLINE=1 would: every
+    worker of a cluster run reads the shared cache (HF_HOME on the shared volume) without one
+    request per file, and a machine that cannot reach the hub starts at once instead of waiting out
+    the retries. The cached revision is used as is (a newer one on the hub is not looked for).
+    Whole means: a model's config and every weight file its index names (or its single weight
+    file); a tokenizer's config and vocabulary. Anything less (an interrupted download, a tool that
+    fetched one file) is left to transformers."""
+    import json
+
     from huggingface_hub import snapshot_download
 
     try:
         path = Path(snapshot_download(repo_id, local_files_only=True))
     except Exception:  # not cached, or not a valid repo id: transformers reports it
         return None
-    files = {p.name for p in path.iterdir()}
-    tokenizer = bool(files & {"tokenizer.json", "tokenizer_config.json"})
-    weights = any(f.endswith((".safetensors", ".bin")) for f in files)
-    whole = tokenizer if tokenizer_only else "config.json" in files and weights
-    return str(path) if whole else None
+    if tokenizer_only:
+        vocab = [("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",)]
+        whole = (path / "tokenizer_config.json").is_file() and any(
+            all((path / name).is_file() for name in files) for files in vocab)
+        return str(path) if whole else None
+    if not (path / "config.json").is_file():
+        return None
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (path / index).is_file():
+            try:
+                shards = set(json.loads((path / index).read_text(encoding="utf-8"))["weight_map"].values())
+            except (OSError, ValueError, KeyError, AttributeError):
+                return None
+            return str(path) if shards and all((path / shard).is_file() for shard in shards) else None
+    single = any((path / name).is_file() for name in ("model.safetensors", "pytorch_model.bin"))
+    return str(path) if single else None
 
 
 def pick_device(choice: str) -> torch.device:
@@ -84,7 +101,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, key: str = "polic
 
     quiet_transformers()
     path = resolve_model_path(name, key)
-    if path == name:  # a hub id
+    if path == name and not trust_remote_code:  # a hub id (remote code: its modules are transformers' to fetch)
         path = cached_snapshot(name, tokenizer_only=True) or name
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -102,7 +119,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, trust_remote
 
     quiet_transformers()
     path = resolve_model_path(name)
-    if path == name:  # a hub id
+    if path == name and not trust_remote_code:  # a hub id (remote code: its modules are transformers' to fetch)
         path = cached_snapshot(name) or name
     try:
         model = AutoModelForCausalLM.from_pretrained(

@@ -36,6 +36,11 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
 
 
+# train metrics averaged over the trained tokens (not over every response token: a sample left out
+# of the update, see rlscale.grpo.carries_gradient, has no forward to measure them on)
+TRAINED_TOKEN_MEANS = ("entropy", "token_mult_prob_error")
+
+
 def warmup_factor(step: int, warmup_steps: int) -> float:
     """LR multiplier: linear warm-up over `warmup_steps` optimizer steps, then constant."""
     return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
@@ -225,8 +230,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
         micro_batch_size: samples per micro-batch, used for the token budget when
         policy.train_micro_batch_tokens is not set.
         trained_tokens[i]: the response tokens of the samples the workers train on in step i (the
-        controller leaves out those without a gradient; default: all of global_tokens), over which
-        the entropy and the sampler/trainer agreement are averaged.
+        controller leaves out those without a gradient; default: all of global_tokens); the entropy
+        and the sampler/trainer agreement are averaged over all of them (TRAINED_TOKEN_MEANS).
         """
         with self.profiler.around("train"):
             return self._train(steps, global_tokens, global_samples, micro_batch_size,
@@ -247,11 +252,17 @@ class PolicyWorker(state_io.CheckpointableWorker):
                if self.reference is not None else None for p in packs]
         self.profiler.mark("old and reference logprobs")
         totals: dict[str, float] = {}
+        # the trained-token means (entropy, sampler agreement) are over the GRPO step's trained
+        # tokens, whichever optimizer step they fell in (one may train nothing); the others are
+        # the mean of the optimizer steps' global means
+        trained_total = sum(trained_tokens)
         for i, batch in enumerate(steps):
             stats = self._optimizer_step(batch, packs[i], old[i], ref[i], global_tokens[i], global_samples,
-                                         trained_tokens[i])
+                                         max(trained_total, 1.0))
             for key, value in stats.items():
-                totals[key] = totals.get(key, 0.0) + value / len(steps)
+                totals[key] = totals.get(key, 0.0) + (value if key in TRAINED_TOKEN_MEANS else value / len(steps))
+        if not trained_total:  # means over no token
+            totals.update({key: math.nan for key in TRAINED_TOKEN_MEANS if key in totals})
         return totals
 
     @torch.no_grad()
@@ -271,7 +282,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         return packs
 
     def _optimizer_step(self, batch, micro_batches, old, ref, global_tokens, global_samples,
-                        trained_tokens) -> dict[str, float]:
+                        trained_total) -> dict[str, float]:
         """old, ref: logprobs per micro-batch (None: pi_old is the training forward itself / no KL)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -289,7 +300,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
             for i, mb in enumerate(micro_batches):
                 distributed.last_micro_batch(self.model, i == len(micro_batches) - 1, self.sharded)
                 self._accumulate(mb, batch, None if old is None else old[i], None if ref is None else ref[i],
-                                 norm, seq_norm, max(trained_tokens, 1.0), response_lengths, sums)
+                                 norm, seq_norm, trained_total, response_lengths, sums)
                 self.profiler.mark(f"micro-batch {i} forward+backward")
         if not micro_batches:
             # nothing to train (every sample skipped): zero gradients, so that AdamW still steps as
@@ -307,12 +318,10 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self.scheduler.step()
         self.profiler.mark("optimizer step")
         stats = {key: float(value) for key, value in sums.items()}
-        if not trained_tokens:  # means over no token
-            stats.update({key: math.nan for key in ("entropy", "token_mult_prob_error") if key in stats})
         stats.update(grad_norm=distributed.as_float(grad_norm), lr=lr)
         return stats
 
-    def _accumulate(self, mb, batch, old, ref, norm, seq_norm, trained_tokens, response_lengths, sums) -> None:
+    def _accumulate(self, mb, batch, old, ref, norm, seq_norm, trained_total, response_lengths, sums) -> None:
         """Forward and backward of one packed micro-batch; gradients add up in the parameters.
 
         old, ref: pi_old's and the reference's logprobs of the pack's tokens (old None: the
@@ -354,10 +363,10 @@ class PolicyWorker(state_io.CheckpointableWorker):
                 # sampler vs trainer on the same tokens under pi_old: mean exp|difference|, 1.0 = identical
                 gen = to_device(batch.gen_logprobs[rows, cols], self.device)
                 pi_old = logprobs.detach() if old is None else old
-                sums["token_mult_prob_error"] += (gen - pi_old).abs().exp().sum() / trained_tokens
+                sums["token_mult_prob_error"] += (gen - pi_old).abs().exp().sum() / trained_total
             for key, per_token in (("loss", terms.loss[0]), ("kl", terms.kl[0]), ("clip_fraction", terms.clipped[0])):
                 sums[key] += per_token.sum() / global_tokens
-            sums["entropy"] += entropy.sum() / trained_tokens
+            sums["entropy"] += entropy.sum() / trained_total
 
     # ------------------------------------------------------------------ state
 

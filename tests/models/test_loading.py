@@ -60,3 +60,31 @@ def test_a_cached_hub_id_loads_from_its_snapshot_without_the_hub(tmp_path, monke
     _hub_cache_entry(cache, "acme/partial", {"config.json": (source / "config.json").read_bytes()})
     assert cached_snapshot("acme/partial") is None and cached_snapshot("acme/partial", tokenizer_only=True) is None
     assert cached_snapshot("acme/not-cached") is None
+
+
+def test_an_incomplete_cached_snapshot_is_left_to_transformers(tmp_path, monkeypatch):
+    """An interrupted sharded download (the index and one shard of two), a stray .bin, or a
+    tokenizer config without its vocabulary is not a whole model or tokenizer."""
+    import json
+
+    import huggingface_hub.constants
+
+    from rlscale.models.loading import cached_snapshot
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    config = b'{"model_type": "qwen2"}'
+    index = json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                       "b": "model-00002-of-00002.safetensors"}}).encode()
+    snapshot = _hub_cache_entry(tmp_path, "acme/sharded", {"config.json": config, "model.safetensors.index.json": index,
+                                                           "model-00001-of-00002.safetensors": b"x"})
+    assert cached_snapshot("acme/sharded") is None
+    (snapshot / "model-00002-of-00002.safetensors").write_bytes(b"x")
+    assert cached_snapshot("acme/sharded") == str(snapshot)
+    _hub_cache_entry(tmp_path, "acme/stray", {"config.json": config, "training_args.bin": b"x"})
+    assert cached_snapshot("acme/stray") is None
+    tokenizer = _hub_cache_entry(tmp_path, "acme/tok", {"tokenizer_config.json": b"{}"})
+    assert cached_snapshot("acme/tok", tokenizer_only=True) is None
+    (tokenizer / "vocab.json").write_text("{}")
+    assert cached_snapshot("acme/tok", tokenizer_only=True) is None  # a BPE vocabulary needs its merges
+    (tokenizer / "merges.txt").write_text("")
+    assert cached_snapshot("acme/tok", tokenizer_only=True) == str(tokenizer)

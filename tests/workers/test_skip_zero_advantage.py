@@ -76,3 +76,28 @@ def test_with_a_kl_penalty_every_sample_is_trained():
     (first, second), _ = two_steps(skip=True, kl=0.05)
     assert first["train/skipped_fraction"] == second["train/skipped_fraction"] == 0.0
     assert math.isfinite(second["train/entropy"]) and second["train/grad_norm"] > 0  # the KL's gradient
+
+
+def test_an_optimizer_step_that_trains_nothing_leaves_the_steps_entropy_finite():
+    """Several optimizer steps per GRPO step, the second with every sample skipped: the entropy is
+    the mean over the step's trained tokens (those of the first), not NaN."""
+    from rlscale.workers.batch import build_train_batch
+
+    def fresh_worker():
+        torch.manual_seed(0)
+        return PolicyWorker(load_config(None, OVERRIDES), distributed_group=False)
+
+    def trained(worker, optimizer_steps: int) -> dict:
+        data = rollouts(worker.tokenizer)
+        pad = worker.tokenizer.pad_token_id
+        first = build_train_batch(data.prompt_ids[:4], data.response_ids[:4], MIXED[:2] + [0.3, -0.3], pad, 32)
+        tokens = float(sum(map(len, data.response_ids[:4])))
+        if optimizer_steps == 1:
+            return worker.train([first], [tokens], 4, 4, [tokens])
+        nothing = build_train_batch([], [], [], pad, 32, None)
+        return worker.train([first, nothing], [tokens, tokens], 4, 4, [tokens, 0.0])
+
+    alone, with_empty = trained(fresh_worker(), 1), trained(fresh_worker(), 2)
+    assert math.isfinite(with_empty["entropy"]) and with_empty["entropy"] == pytest.approx(alone["entropy"], rel=1e-6)
+    # the other metrics stay the mean of the optimizer steps' means (the empty step's loss is 0)
+    assert with_empty["loss"] == pytest.approx(alone["loss"] / 2, rel=1e-5, abs=1e-8)
