@@ -60,14 +60,13 @@ def ray_node_alive(hostname: str) -> bool:
 
 class StopRequests:
     """Stop requests left by pods about to be stopped: one file per pod, named by its hostname,
-    in `directory` (see the module's docstring). A request from a pod no longer in the Ray cluster
-    is stale (its hook was killed before the driver saw it): removed, not obeyed, so that a retried
-    job does not stop again for a pod long gone."""
+    in `directory` (one per RayCluster; see the module's docstring). A request from a pod no
+    longer in the Ray cluster is stale (its hook was killed before the driver saw it): removed,
+    not obeyed, so that a later job does not stop for a pod long gone."""
 
     def __init__(self, directory: str | os.PathLike | None, alive: Callable[[str], bool] = ray_node_alive):
         self.directory = Path(directory) if directory else None
         self.alive = alive
-        self.seen: list[Path] = []
 
     @classmethod
     def from_env(cls) -> StopRequests:
@@ -88,16 +87,21 @@ class StopRequests:
             except OSError:
                 continue
             if self.alive(path.name):
-                self.seen.append(path)
                 return path.name, age
             path.unlink(missing_ok=True)
         return None
 
     def acknowledge(self) -> None:
-        """Remove the requests obeyed: their hooks return and their pods stop."""
-        for path in self.seen:
+        """Remove every request there (the driver has saved, or is exiting and needs no worker any
+        more): their hooks return and their pods stop. Two workers stopped at once both go."""
+        if self.directory is None:
+            return
+        try:
+            entries = [p for p in self.directory.iterdir() if not p.name.startswith(".")]
+        except OSError:
+            return
+        for path in entries:
             path.unlink(missing_ok=True)
-        self.seen.clear()
 
 
 class StopSignals:
@@ -111,6 +115,7 @@ class StopSignals:
         self._previous: dict[int, object] = {}
         self.requests = requests
         self.requester: str | None = None  # the pod whose stop request is obeyed
+        self._signalled = False  # a signal came while stopping for a pod (the next one exits at once)
 
     @property
     def requested(self) -> bool:
@@ -152,9 +157,14 @@ class StopSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        self.acknowledge()  # however the run ends, no pod need wait for it any longer
 
     def _handle(self, signum: int, _frame) -> None:
         # os.write, not print: a handler may interrupt a print of the main thread
+        if self.requester is not None and not self._signalled:  # stopping for a pod: this is the first signal
+            self._signalled = True
+            os.write(2, f"rlscale: {signal.Signals(signum).name} received: already stopping\n".encode())
+            return
         if self.signum is not None:
             os.write(2, f"rlscale: second {signal.Signals(signum).name}: exiting now; a save in flight "
                         "is discarded at the next start\n".encode())

@@ -74,8 +74,39 @@ def test_stop_requests_from_live_pods_are_obeyed_and_stale_ones_removed(tmp_path
     assert signals.name == "the stop of pod worker-1"
     assert 4.5 < signals.seconds_since() < 30  # the grace counts from the request
     assert (tmp_path / "worker-1").exists()  # kept until the save is done
-    signals.acknowledge()
-    assert not (tmp_path / "worker-1").exists() and (tmp_path / ".worker-2.tmp").exists()
+    (tmp_path / "worker-3").write_text("a second pod, stopped at the same time")
+    signals.acknowledge()  # both pods may go
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".worker-2.tmp"]
+
+
+def test_a_signal_while_stopping_for_a_pod_does_not_cut_the_save_short(tmp_path):
+    """The head's own preStop or a job stop may SIGTERM the driver while it saves for a worker pod:
+    that is its first signal (recorded); only a second one exits at once. Leaving the run (its
+    `with`) releases every pod still waiting."""
+    from rlscale.preemption import StopRequests
+
+    script = f"""
+import os, signal, sys, time
+from pathlib import Path
+from rlscale.preemption import StopRequests, StopSignals
+Path({str(tmp_path)!r}, "worker-1").write_text("stop")
+with StopSignals(StopRequests({str(tmp_path)!r}, alive=lambda pod: True)) as signals:
+    assert signals.requested
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)
+    print("still saving", flush=True)
+    Path({str(tmp_path)!r}, "worker-2").write_text("late request")
+print("left", sorted(p.name for p in Path({str(tmp_path)!r}).iterdir()), flush=True)
+os.kill(os.getpid(), signal.SIGTERM)  # the default handler is back
+"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert "still saving" in done.stdout and "left []" in done.stdout, done.stdout + done.stderr
+    assert "SIGTERM received: already stopping" in done.stderr
+    assert StopRequests(tmp_path).pending() is None
 
 
 def test_without_a_directory_there_are_no_requests(tmp_path):

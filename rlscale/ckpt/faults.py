@@ -50,7 +50,8 @@ def _worker_pre_stop() -> None:
     from rlscale.preemption import STOP_REQUESTS_ENV
 
     directory = Path(os.environ[STOP_REQUESTS_ENV])
-    subprocess.Popen([sys.executable, "-c", WORKER_PRE_STOP, str(directory), "60"])
+    # no process title to look for: a local run's policy worker is this process
+    subprocess.Popen([sys.executable, "-c", WORKER_PRE_STOP, STOP_REQUESTS_ENV, "60", ""])
     while not any(not p.name.startswith(".") for p in directory.glob("*")):
         time.sleep(0.05)
 

@@ -31,15 +31,22 @@ def _labels(spec: ClusterSpec) -> dict[str, str]:
     return {"app.kubernetes.io/name": "rlscale", "app.kubernetes.io/instance": spec.name}
 
 
+RAY_CLUSTER_ENV = "RLSCALE_RAY_CLUSTER"
+
+
 def stop_requests_dir(spec: ClusterSpec) -> str:
-    """Where worker pods being stopped leave their request for the driver (rlscale.preemption)."""
-    return f"{spec.storage.mount_path.rstrip('/')}/.rlscale/stop-requests/{spec.name}"
+    """Where worker pods being stopped leave their request for the driver (rlscale.preemption):
+    one directory per RayCluster (a RayJob's cluster has a generated name), from the pod's own
+    `ray.io/cluster` label, so that two clusters on one volume never read each other's requests."""
+    return f"{spec.storage.mount_path.rstrip('/')}/.rlscale/stop-requests/$({RAY_CLUSTER_ENV})"
 
 
 def _env(spec: ClusterSpec) -> list[dict[str, Any]]:
     from rlscale.preemption import STOP_REQUESTS_ENV
 
     env = [{"name": k, "value": v} for k, v in spec.env.items()]
+    # Kubernetes expands $(NAME) in a value from the variables defined before it
+    env.append({"name": RAY_CLUSTER_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['ray.io/cluster']"}}})
     env.append({"name": STOP_REQUESTS_ENV, "value": stop_requests_dir(spec)})
     for key in spec.secret.required_keys + spec.secret.optional_keys:
         ref = {"name": spec.secret.name, "key": key}
@@ -97,14 +104,27 @@ while drivers():
 
 # A worker pod's preStop hook. Its SIGTERM would kill the pod's Ray worker, and the driver on the
 # head would learn of it only when the next collective failed, losing the steps since the last
-# save. The hook instead leaves a request named by the pod's hostname in the stop-requests
-# directory on the shared volume (written whole: a temporary dot-file, then renamed) and waits for
-# the driver to remove it, which it does once its emergency save has committed (see
-# rlscale.preemption.StopRequests), or until its wait runs out. Plain Python, as HEAD_PRE_STOP.
-# Arguments: the directory, the most seconds to wait.
+# save. If a policy worker runs in the pod (a process titled `ray::PolicyWorker...`), the hook
+# instead leaves a request named by the pod's hostname in the stop-requests directory on the
+# shared volume (written whole: a temporary dot-file, then renamed) and waits for the driver to
+# remove it, which it does once its emergency save has committed or when it exits (see
+# rlscale.preemption.StopRequests), or until its wait runs out. With no policy worker in the pod
+# (no job running, the cluster torn down) it returns at once. Plain Python, as HEAD_PRE_STOP.
+# Arguments: the variable naming the directory, the most seconds to wait, the process title to
+# look for ('' = do not look).
 WORKER_PRE_STOP = """\
 import os, socket, sys, time
-directory, wait_s = sys.argv[1], float(sys.argv[2])
+directory, wait_s, title = os.environ[sys.argv[1]], float(sys.argv[2]), sys.argv[3].encode()
+def running(title):
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            if open('/proc/%s/cmdline' % pid, 'rb').read().startswith(title):
+                return True
+        except OSError:
+            pass
+    return False
+if title and not running(title):
+    sys.exit(0)
 os.makedirs(directory, exist_ok=True)
 path = os.path.join(directory, socket.gethostname())
 tmp = os.path.join(directory, '.' + socket.gethostname() + '.tmp')
@@ -117,6 +137,7 @@ deadline = time.monotonic() + wait_s
 while os.path.exists(path) and time.monotonic() < deadline:
     time.sleep(0.5)
 """
+WORKER_PROCESS_TITLE = "ray::PolicyWorker"  # Ray titles an actor's process ray::<class>[.<method>]
 
 
 def _pod(spec: ClusterSpec, container: dict[str, Any]) -> dict[str, Any]:
@@ -144,6 +165,8 @@ def _metrics_ports(spec: ClusterSpec, driver: bool) -> list[dict[str, Any]]:
 
 def ray_cluster_spec(spec: ClusterSpec) -> dict[str, Any]:
     """The `spec` of a RayCluster (also a RayJob's `rayClusterSpec`)."""
+    from rlscale.preemption import STOP_REQUESTS_ENV
+
     p, head, worker = spec.ports, spec.head, spec.worker
     head_container = {
         "name": "ray-head",
@@ -168,7 +191,8 @@ def ray_cluster_spec(spec: ClusterSpec) -> dict[str, Any]:
         "volumeMounts": _mounts(spec),
         # tell the driver, and keep this pod's Ray worker for its emergency save (WORKER_PRE_STOP)
         "lifecycle": {"preStop": {"exec": {"command": [
-            "python", "-c", WORKER_PRE_STOP, stop_requests_dir(spec), str(spec.termination_grace_period_s)]}}},
+            "python", "-c", WORKER_PRE_STOP, STOP_REQUESTS_ENV, str(spec.termination_grace_period_s),
+            WORKER_PROCESS_TITLE]}}},
     }
     return {
         "rayVersion": spec.ray_version,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 from pathlib import Path
 
@@ -205,13 +206,19 @@ def test_rayjob_embeds_the_same_cluster_and_runs_rlscale(rendered):
     assert rj["spec"]["backoffLimit"] == 3
     head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert head["lifecycle"]["preStop"]["exec"]["command"][-1] == "rlscale"
-    # worker pods leave a stop request where the driver (on the head) looks for it, on the shared volume
-    requests = "/lustre/.rlscale/stop-requests/rlscale"
+    # worker pods leave a stop request where the driver (on the head) looks for it: on the shared
+    # volume, one directory per RayCluster (its name from the pod's own label)
     for group in rc["spec"]["workerGroupSpecs"]:
         worker = group["template"]["spec"]["containers"][0]
-        assert worker["lifecycle"]["preStop"]["exec"]["command"][-2:] == [requests, "30"]
+        assert worker["lifecycle"]["preStop"]["exec"]["command"][-3:] == ["RLSCALE_STOP_REQUESTS", "30",
+                                                                         "ray::PolicyWorker"]
     for container in [head] + [g["template"]["spec"]["containers"][0] for g in rc["spec"]["workerGroupSpecs"]]:
-        assert {"name": "RLSCALE_STOP_REQUESTS", "value": requests} in container["env"]
+        names = [e["name"] for e in container["env"]]
+        assert names.index("RLSCALE_RAY_CLUSTER") < names.index("RLSCALE_STOP_REQUESTS")  # $(...) needs it first
+        assert {"name": "RLSCALE_RAY_CLUSTER", "valueFrom": {"fieldRef": {
+            "fieldPath": "metadata.labels['ray.io/cluster']"}}} in container["env"]
+        assert {"name": "RLSCALE_STOP_REQUESTS",
+                "value": "/lustre/.rlscale/stop-requests/$(RLSCALE_RAY_CLUSTER)"} in container["env"]
 
 
 def test_the_head_pre_stop_hook_signals_the_driver_and_waits_for_it_to_exit(tmp_path):
@@ -259,7 +266,10 @@ def test_the_worker_pre_stop_hook_leaves_a_request_and_waits_for_the_driver(tmp_
 
     directory = tmp_path / "stop-requests" / "cluster"
     request = directory / socket.gethostname()
-    hook = subprocess.Popen([sys.executable, "-c", WORKER_PRE_STOP, str(directory), "60"])
+    env = {**os.environ, "RLSCALE_STOP_REQUESTS": str(directory)}
+    own_title = open(f"/proc/{os.getpid()}/cmdline", "rb").read().split(b"\0")[0].decode()
+    hook = subprocess.Popen([sys.executable, "-c", WORKER_PRE_STOP, "RLSCALE_STOP_REQUESTS", "60", own_title],
+                            env=env)
     try:
         deadline = time.monotonic() + 30
         while not request.exists() and time.monotonic() < deadline:
@@ -274,8 +284,21 @@ def test_the_worker_pre_stop_hook_leaves_a_request_and_waits_for_the_driver(tmp_
         hook.kill()
         hook.wait()
     start = time.monotonic()
-    subprocess.run([sys.executable, "-c", WORKER_PRE_STOP, str(directory), "1"], check=True, timeout=30)
+    subprocess.run([sys.executable, "-c", WORKER_PRE_STOP, "RLSCALE_STOP_REQUESTS", "1", ""], check=True, timeout=30,
+                   env=env)
     assert time.monotonic() - start >= 0.9 and request.exists()  # no driver: it waited its 1 s, then returned
+    request.unlink()
+    # no policy worker in the pod (no job, or the cluster torn down): no request, no wait
+    subprocess.run([sys.executable, "-c", WORKER_PRE_STOP, "RLSCALE_STOP_REQUESTS", "60",
+                    "ray::NoSuchWorker-" + str(os.getpid())], check=True, timeout=20, env=env)
+    assert not request.exists()
+
+
+def test_the_worker_hook_looks_for_the_policy_workers_process_title():
+    from rlscale.cluster.render import WORKER_PROCESS_TITLE
+    from rlscale.workers.policy import PolicyWorker
+
+    assert WORKER_PROCESS_TITLE == "ray::" + PolicyWorker.__name__  # Ray's title for its actor processes
 
 
 def test_podmonitoring_selects_the_ray_pods_and_scrapes_the_metrics_port(rendered):
