@@ -302,6 +302,8 @@ def train(cfg: Config) -> dict:
                     return _already_finished(cfg, choice, finished)
         group = make_worker_group(cfg)
         cleanup.callback(group.shutdown)
+        requests = StopRequests.from_env()  # worker pods waiting for this driver to save
+        cleanup.callback(requests.acknowledge)  # however the run ends, once its saves are in: they may go
         state, resumed_from, notes = resume_or_start(choice, checkpointer, group, loader, cfg)
         cleanup.callback(checkpointer.close)  # runs before shutdown: in-flight saves finish first
         sinks = build_sinks(run_dir, cfg.logger.tensorboard_enabled, cfg.logger.wandb_enabled,
@@ -316,7 +318,7 @@ def train(cfg: Config) -> dict:
         (run_dir / "summary.json").unlink(missing_ok=True)
         write_atomic(run_dir / "config.yaml", cfg.to_yaml())
         # SIGTERM/SIGINT, or a worker pod's stop request: save, then RunStopped
-        signals = cleanup.enter_context(StopSignals(StopRequests.from_env()))
+        signals = cleanup.enter_context(StopSignals(requests))
         run = Run(cfg, group, scorer, checkpointer, sinks, loader, datasets.val, state,
                   signals, Deadline(cfg.checkpointing.must_save_by_s(), started))
         with ProgressDisplay(cfg.grpo.max_num_steps, state.step, cfg.logger.progress) as progress:

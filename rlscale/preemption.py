@@ -58,6 +58,15 @@ def ray_node_alive(hostname: str) -> bool:
     return any(node.get("Alive") and node.get("NodeManagerHostname") == hostname for node in ray.nodes())
 
 
+def _remove(path: Path) -> None:
+    """A request file gone; an error (a shared file system's hiccup) is said, never raised: it
+    must not replace what the run is doing or stopping for. The pod then waits out its grace."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        print(f"rlscale: cannot remove the stop request {path}: {exc.strerror or exc}", file=sys.stderr, flush=True)
+
+
 class StopRequests:
     """Stop requests left by pods about to be stopped: one file per pod, named by its hostname,
     in `directory` (one per RayCluster; see the module's docstring). A request from a pod no
@@ -88,7 +97,7 @@ class StopRequests:
                 continue
             if self.alive(path.name):
                 return path.name, age
-            path.unlink(missing_ok=True)
+            _remove(path)
         return None
 
     def acknowledge(self) -> None:
@@ -101,7 +110,7 @@ class StopRequests:
         except OSError:
             return
         for path in entries:
-            path.unlink(missing_ok=True)
+            _remove(path)
 
 
 class StopSignals:
@@ -157,7 +166,6 @@ class StopSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
-        self.acknowledge()  # however the run ends, no pod need wait for it any longer
 
     def _handle(self, signum: int, _frame) -> None:
         # os.write, not print: a handler may interrupt a print of the main thread

@@ -46,8 +46,8 @@ def cached_snapshot(repo_id: str, tokenizer_only: bool = False) -> str | None:
     request per file, and a machine that cannot reach the hub starts at once instead of waiting out
     the retries. The cached revision is used as is (a newer one on the hub is not looked for).
     Whole means: a model's config and every weight file its index names (or its single weight
-    file); a tokenizer's config and vocabulary. Anything less (an interrupted download, a tool that
-    fetched one file) is left to transformers."""
+    file); a tokenizer's config, vocabulary and chat template (see `_whole_tokenizer`). Anything
+    less (an interrupted download, a tool that fetched one file) is left to transformers."""
     import json
 
     from huggingface_hub import snapshot_download
@@ -57,10 +57,7 @@ def cached_snapshot(repo_id: str, tokenizer_only: bool = False) -> str | None:
     except Exception:  # not cached, or not a valid repo id: transformers reports it
         return None
     if tokenizer_only:
-        vocab = [("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",)]
-        whole = (path / "tokenizer_config.json").is_file() and any(
-            all((path / name).is_file() for name in files) for files in vocab)
-        return str(path) if whole else None
+        return str(path) if _whole_tokenizer(path) else None
     if not (path / "config.json").is_file():
         return None
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
@@ -72,6 +69,24 @@ def cached_snapshot(repo_id: str, tokenizer_only: bool = False) -> str | None:
             return str(path) if shards and all((path / shard).is_file() for shard in shards) else None
     single = any((path / name).is_file() for name in ("model.safetensors", "pytorch_model.bin"))
     return str(path) if single else None
+
+
+def _whole_tokenizer(snapshot: Path) -> bool:
+    """A tokenizer's config, its vocabulary, and its chat template known: in the config, in
+    chat_template.jinja, or absent on the hub (the cache's .no_exist marker for that revision).
+    Without the last, a prompt would silently lose the template the hub has."""
+    import json
+
+    vocab = [("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",)]
+    if not any(all((snapshot / name).is_file() for name in files) for files in vocab):
+        return False
+    try:
+        config = json.loads((snapshot / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    no_template = snapshot.parent.parent / ".no_exist" / snapshot.name / "chat_template.jinja"
+    return (isinstance(config, dict) and "chat_template" in config) or (snapshot / "chat_template.jinja").is_file() \
+        or no_template.exists()
 
 
 def pick_device(choice: str) -> torch.device:

@@ -233,9 +233,12 @@ class PolicyWorker(state_io.CheckpointableWorker):
         controller leaves out those without a gradient; default: all of global_tokens); the entropy
         and the sampler/trainer agreement are averaged over all of them (TRAINED_TOKEN_MEANS).
         """
+        trained_tokens = global_tokens if trained_tokens is None else trained_tokens
+        if not len(steps) == len(global_tokens) == len(trained_tokens):
+            raise ValueError(f"{len(steps)} optimizer steps, but {len(global_tokens)} global and "
+                             f"{len(trained_tokens)} trained token counts")
         with self.profiler.around("train"):
-            return self._train(steps, global_tokens, global_samples, micro_batch_size,
-                               trained_tokens or global_tokens)
+            return self._train(steps, global_tokens, global_samples, micro_batch_size, trained_tokens)
 
     def _train(self, steps: list[TrainBatch], global_tokens: list[float], global_samples: int,
                micro_batch_size: int, trained_tokens: list[float]) -> dict[str, float]:

@@ -52,6 +52,10 @@ def test_a_cached_hub_id_loads_from_its_snapshot_without_the_hub(tmp_path, monke
     build_tiny_model(tokenizer, hidden_size=32, layers=1, heads=2, seed=0).save_pretrained(source)
     tokenizer.save_pretrained(source)
     snapshot = _hub_cache_entry(cache, "acme/tiny", {p.name: p.read_bytes() for p in source.iterdir()})
+    if not (snapshot / "chat_template.jinja").exists():  # as transformers' first download records it
+        (cache / "models--acme--tiny" / ".no_exist" / snapshot.name).mkdir(parents=True)
+        (cache / "models--acme--tiny" / ".no_exist" / snapshot.name / "chat_template.jinja").write_text("")
+    assert cached_snapshot("acme/tiny", tokenizer_only=True) == str(snapshot)
     assert cached_snapshot("acme/tiny") == str(snapshot)
     model = load_model("acme/tiny", torch.float32, torch.device("cpu"))
     assert model.config.hidden_size == 32
@@ -87,4 +91,12 @@ def test_an_incomplete_cached_snapshot_is_left_to_transformers(tmp_path, monkeyp
     (tokenizer / "vocab.json").write_text("{}")
     assert cached_snapshot("acme/tok", tokenizer_only=True) is None  # a BPE vocabulary needs its merges
     (tokenizer / "merges.txt").write_text("")
+    # the chat template is not known: not fetched yet, or the repo has none?
+    assert cached_snapshot("acme/tok", tokenizer_only=True) is None
+    no_exist = tmp_path / "models--acme--tok" / ".no_exist" / tokenizer.name
+    no_exist.mkdir(parents=True)
+    (no_exist / "chat_template.jinja").write_text("")  # the hub said: none
+    assert cached_snapshot("acme/tok", tokenizer_only=True) == str(tokenizer)
+    (no_exist / "chat_template.jinja").unlink()
+    (tokenizer / "chat_template.jinja").write_text("{{ messages }}")
     assert cached_snapshot("acme/tok", tokenizer_only=True) == str(tokenizer)
