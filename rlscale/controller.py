@@ -301,8 +301,10 @@ def train(cfg: Config) -> dict:
                 if finished is not None:
                     return _already_finished(cfg, choice, finished)
         group = make_worker_group(cfg)
-        cleanup.callback(group.shutdown)
         requests = StopRequests.from_env()  # worker pods waiting for this driver to save
+        cleanup.callback(requests.acknowledge)  # last of all: a hook that began while the workers shut down
+        cleanup.callback(group.shutdown)
+        requests.watch(group.run_all("hostname"))  # only this run's pods: a cluster may run other jobs
         cleanup.callback(requests.acknowledge)  # however the run ends, once its saves are in: they may go
         state, resumed_from, notes = resume_or_start(choice, checkpointer, group, loader, cfg)
         cleanup.callback(checkpointer.close)  # runs before shutdown: in-flight saves finish first

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 EXIT_SIGTERM = 128 + signal.SIGTERM
 EXIT_SIGINT = 128 + signal.SIGINT
@@ -69,48 +69,73 @@ def _remove(path: Path) -> None:
 
 class StopRequests:
     """Stop requests left by pods about to be stopped: one file per pod, named by its hostname,
-    in `directory` (one per RayCluster; see the module's docstring). A request from a pod no
-    longer in the Ray cluster is stale (its hook was killed before the driver saw it): removed,
-    not obeyed, so that a later job does not stop for a pod long gone."""
+    in `directory` (one per RayCluster; see the module's docstring).
 
-    def __init__(self, directory: str | os.PathLike | None, alive: Callable[[str], bool] = ray_node_alive):
+    A run obeys and releases only the requests of pods that host its own workers (`hosts`; None =
+    any pod): two jobs on one RayCluster share the directory, and one must not stop for, or
+    release, the other's pod. A request is stale, removed and never obeyed, when its pod is no
+    longer in the Ray cluster (its hook was killed before any driver saw it) or when its hook's
+    wait has run out (a line `waits until <unix time>`; a pod restarted under the same name must
+    not stop every later job)."""
+
+    def __init__(self, directory: str | os.PathLike | None, alive: Callable[[str], bool] = ray_node_alive,
+                 hosts: Iterable[str] | None = None):
         self.directory = Path(directory) if directory else None
         self.alive = alive
+        self.hosts = None if hosts is None else frozenset(hosts)
 
     @classmethod
     def from_env(cls) -> StopRequests:
-        return cls(os.environ.get(STOP_REQUESTS_ENV) or None)
+        """Requests for this run, which owns no pod until `watch` names those of its workers."""
+        return cls(os.environ.get(STOP_REQUESTS_ENV) or None, hosts=())
+
+    def watch(self, hosts: Iterable[str]) -> None:
+        """Obey and release the requests of these pods (those running this run's workers)."""
+        self.hosts = frozenset(hosts)
+
+    def _ours(self, pod: str) -> bool:
+        return self.hosts is None or pod in self.hosts
+
+    def _entries(self) -> list[Path]:
+        if self.directory is None:
+            return []
+        try:
+            return sorted(p for p in self.directory.iterdir() if not p.name.startswith("."))
+        except OSError:  # no directory yet: no request
+            return []
 
     def pending(self) -> tuple[str, float] | None:
-        """(pod, seconds since its request) of a live pod's request. A directory listing per safe
-        point: a few per step, each a metadata operation of about a millisecond on Lustre."""
-        if self.directory is None:
-            return None
-        try:
-            entries = sorted(p for p in self.directory.iterdir() if not p.name.startswith("."))
-        except OSError:  # no directory yet: no request
-            return None
-        for path in entries:
+        """(pod, seconds since its request) of a live request from one of this run's pods. A
+        directory listing per safe point: a few per step, each a metadata operation of about a
+        millisecond on Lustre; a request's file is read only when there is one."""
+        for path in self._entries():
             try:
                 age = max(time.time() - path.stat().st_mtime, 0.0)
+                text = path.read_text(encoding="utf-8", errors="replace")
             except OSError:
                 continue
-            if self.alive(path.name):
+            if _wait_ran_out(text) or not self.alive(path.name):
+                _remove(path)
+            elif self._ours(path.name):
                 return path.name, age
-            _remove(path)
         return None
 
     def acknowledge(self) -> None:
-        """Remove every request there (the driver has saved, or is exiting and needs no worker any
-        more): their hooks return and their pods stop. Two workers stopped at once both go."""
-        if self.directory is None:
-            return
-        try:
-            entries = [p for p in self.directory.iterdir() if not p.name.startswith(".")]
-        except OSError:
-            return
-        for path in entries:
-            _remove(path)
+        """Remove the requests of this run's pods (the driver has saved, or is exiting and needs
+        no worker any more): their hooks return and their pods stop. Two stopped at once both go."""
+        for path in self._entries():
+            if self._ours(path.name):
+                _remove(path)
+
+
+def _wait_ran_out(request: str) -> bool:
+    for line in request.splitlines():
+        if line.startswith("waits until "):
+            try:
+                return time.time() > float(line.removeprefix("waits until "))
+            except ValueError:
+                return False
+    return False
 
 
 class StopSignals:

@@ -79,6 +79,42 @@ def test_stop_requests_from_live_pods_are_obeyed_and_stale_ones_removed(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == [".worker-2.tmp"]
 
 
+def test_a_run_obeys_and_releases_only_the_requests_of_its_own_pods(tmp_path):
+    """Two jobs on one RayCluster share its request directory: a pod hosting only job B's workers
+    stops B, not A, and A's saves or exit do not release it before B has saved."""
+    from rlscale.preemption import StopRequests
+
+    a = StopRequests(tmp_path, alive=lambda pod: True, hosts={"pod-a"})
+    b = StopRequests(tmp_path, alive=lambda pod: True, hosts={"pod-x", "pod-y"})
+    (tmp_path / "pod-x").write_text("stop")
+    assert a.pending() is None and StopSignals(a).requested is False
+    a.acknowledge()
+    assert (tmp_path / "pod-x").exists()
+    assert b.pending()[0] == "pod-x"
+    b.acknowledge()
+    assert not (tmp_path / "pod-x").exists()
+    # a run owns no pod until it knows where its workers run
+    (tmp_path / "pod-a").write_text("stop")
+    unwatched = StopRequests(tmp_path, alive=lambda pod: True, hosts=())
+    assert unwatched.pending() is None
+    unwatched.acknowledge()
+    assert (tmp_path / "pod-a").exists()
+    unwatched.watch(["pod-a"])
+    assert unwatched.pending()[0] == "pod-a"
+
+
+def test_a_request_whose_hook_stopped_waiting_is_stale(tmp_path):
+    """A hook killed before it could take its request back leaves it behind; the pod may come back
+    under the same name (a restarted container), so its name being alive is not enough."""
+    from rlscale.preemption import StopRequests
+
+    requests = StopRequests(tmp_path, alive=lambda pod: True)
+    (tmp_path / "worker-1").write_text(f"stop requested at {time.time() - 100:f}\nwaits until {time.time() - 70:f}\n")
+    (tmp_path / "worker-2").write_text(f"stop requested at {time.time():f}\nwaits until {time.time() + 30:f}\n")
+    assert requests.pending()[0] == "worker-2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["worker-2"]
+
+
 def test_a_signal_while_stopping_for_a_pod_does_not_cut_the_save_short(tmp_path):
     """The head's own preStop or a job stop may SIGTERM the driver while it saves for a worker pod:
     that is its first signal (recorded); only a second one exits at once."""

@@ -108,13 +108,15 @@ while drivers():
 # instead leaves a request named by the pod's hostname in the stop-requests directory on the
 # shared volume (written whole: a temporary dot-file, then renamed) and waits for the driver to
 # remove it, which it does once its emergency save has committed or when it exits (see
-# rlscale.preemption.StopRequests), or until its wait runs out. With no policy worker in the pod
-# (no job running, the cluster torn down) it returns at once. Plain Python, as HEAD_PRE_STOP.
-# Arguments: the variable naming the directory, the most seconds to wait, the process title to
+# rlscale.preemption.StopRequests). When its wait runs out (2 s before the kubelet's SIGKILL at
+# the end of the grace period) it takes the request back; the request also says until when it
+# waits, so that a driver ignores one left by a hook killed earlier. With no policy worker in the
+# pod (no job running, the cluster torn down) it returns at once. Plain Python, as HEAD_PRE_STOP.
+# Arguments: the variable naming the directory, the grace period in seconds, the process title to
 # look for ('' = do not look).
 WORKER_PRE_STOP = """\
 import os, socket, sys, time
-directory, wait_s, title = os.environ[sys.argv[1]], float(sys.argv[2]), sys.argv[3].encode()
+directory, grace_s, title = os.environ[sys.argv[1]], float(sys.argv[2]), sys.argv[3].encode()
 def running(title):
     for pid in filter(str.isdigit, os.listdir('/proc')):
         try:
@@ -125,17 +127,21 @@ def running(title):
     return False
 if title and not running(title):
     sys.exit(0)
+until = time.time() + max(grace_s - 2, 1)
 os.makedirs(directory, exist_ok=True)
 path = os.path.join(directory, socket.gethostname())
 tmp = os.path.join(directory, '.' + socket.gethostname() + '.tmp')
 with open(tmp, 'w') as f:
-    f.write('stop requested at %f\\n' % time.time())
+    f.write('stop requested at %f\\nwaits until %f\\n' % (time.time(), until))
     f.flush()
     os.fsync(f.fileno())
 os.replace(tmp, path)
-deadline = time.monotonic() + wait_s
-while os.path.exists(path) and time.monotonic() < deadline:
+while os.path.exists(path) and time.time() < until:
     time.sleep(0.5)
+try:
+    os.remove(path)
+except OSError:
+    pass
 """
 WORKER_PROCESS_TITLE = "ray::PolicyWorker"  # Ray titles an actor's process ray::<class>[.<method>]
 

@@ -251,6 +251,9 @@ def _unlogged_commits_note(pending: list[int], ckpt_dir: Path) -> str:
     checkpoint directory says whether they committed after all."""
     if not pending:
         return ""
+    if not ckpt_dir.is_dir():  # a run directory copied without its checkpoints, or on another volume
+        return (f" No commit logged for step {', '.join(map(str, pending))}, and {ckpt_dir} is not here to "
+                "say whether it committed.")
     on_disk = {step for step, _ in committed_steps(ckpt_dir)}
     kept = [s for s in pending if s in on_disk]
     lost = [s for s in pending if s not in on_disk]

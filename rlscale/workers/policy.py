@@ -109,6 +109,13 @@ class PolicyWorker(state_io.CheckpointableWorker):
         """Small facts the controller needs; also tells a worker group the worker is up."""
         return {"pad_token_id": self.tokenizer.pad_token_id, "device": str(self.device), "rank": self.rank}
 
+    def hostname(self) -> str:
+        """The machine (a pod's name on Kubernetes) this worker runs on: its pod's stop requests
+        are this run's to obey (rlscale.preemption.StopRequests)."""
+        import socket
+
+        return socket.gethostname()
+
     # ------------------------------------------------------------------ generation
 
     def generate(self, texts: list[str], params: SamplingParams, update_follows: bool = False) -> Rollouts:

@@ -255,8 +255,8 @@ def test_the_head_pre_stop_hook_signals_the_driver_and_waits_for_it_to_exit(tmp_
 
 
 def test_the_worker_pre_stop_hook_leaves_a_request_and_waits_for_the_driver(tmp_path):
-    """It writes its request whole (named by the pod's hostname), returns once the driver removed
-    it, and returns anyway when its wait runs out."""
+    """It writes its request whole (named by the pod's hostname, saying until when it waits),
+    returns once the driver removed it, and takes it back when its wait runs out."""
     import socket
     import subprocess
     import sys
@@ -274,7 +274,9 @@ def test_the_worker_pre_stop_hook_leaves_a_request_and_waits_for_the_driver(tmp_
         deadline = time.monotonic() + 30
         while not request.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert request.read_text().startswith("stop requested at ")
+        lines = request.read_text().splitlines()
+        assert lines[0].startswith("stop requested at ")
+        assert 50 < float(lines[1].removeprefix("waits until ")) - time.time() <= 58  # grace 60 s, less 2
         assert [p.name for p in directory.iterdir()] == [request.name]  # no temporary file left
         time.sleep(1.0)
         assert hook.poll() is None, "it waits for the driver"
@@ -286,8 +288,8 @@ def test_the_worker_pre_stop_hook_leaves_a_request_and_waits_for_the_driver(tmp_
     start = time.monotonic()
     subprocess.run([sys.executable, "-c", WORKER_PRE_STOP, "RLSCALE_STOP_REQUESTS", "1", ""], check=True, timeout=30,
                    env=env)
-    assert time.monotonic() - start >= 0.9 and request.exists()  # no driver: it waited its 1 s, then returned
-    request.unlink()
+    # no driver: it waited its 1 s, then took its request back (no stale request for a later job)
+    assert time.monotonic() - start >= 0.9 and not request.exists()
     # no policy worker in the pod (no job, or the cluster torn down): no request, no wait
     subprocess.run([sys.executable, "-c", WORKER_PRE_STOP, "RLSCALE_STOP_REQUESTS", "60",
                     "ray::NoSuchWorker-" + str(os.getpid())], check=True, timeout=20, env=env)

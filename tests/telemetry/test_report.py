@@ -173,3 +173,7 @@ def test_a_commit_not_logged_is_checked_on_disk(report_run, tmp_path):
     shutil.rmtree(newest_dir)
     caption = _caption(report_command(run, None).read_text(), "checkpoint_timeline.png")
     assert f"Not committed in {run / 'checkpoints'}: step {newest} " in caption
+    shutil.rmtree(run / "checkpoints")  # a run directory copied without its checkpoints
+    caption = _caption(report_command(run, None).read_text(), "checkpoint_timeline.png")
+    assert f"{run / 'checkpoints'} is not here to say whether it committed" in caption
+    assert "Not committed" not in caption
