@@ -74,9 +74,10 @@ class StopRequests:
     A run obeys and releases only the requests of pods that host its own workers (`hosts`; None =
     any pod): two jobs on one RayCluster share the directory, and one must not stop for, or
     release, the other's pod. A request is stale, removed and never obeyed, when its pod is no
-    longer in the Ray cluster (its hook was killed before any driver saw it) or when its hook's
-    wait has run out (a line `waits until <unix time>`; a pod restarted under the same name must
-    not stop every later job)."""
+    longer in the Ray cluster (its hook was killed before any driver saw it) or a minute after its
+    hook's wait ran out (a line `waits until <unix time>`; a pod restarted under the same name
+    must not stop every later job). Two jobs with workers in one pod are not told apart: the first
+    to save releases it."""
 
     def __init__(self, directory: str | os.PathLike | None, alive: Callable[[str], bool] = ray_node_alive,
                  hosts: Iterable[str] | None = None):
@@ -110,14 +111,14 @@ class StopRequests:
         millisecond on Lustre; a request's file is read only when there is one."""
         for path in self._entries():
             try:
-                age = max(time.time() - path.stat().st_mtime, 0.0)
+                seen = path.stat()
                 text = path.read_text(encoding="utf-8", errors="replace")
             except OSError:
                 continue
             if _wait_ran_out(text) or not self.alive(path.name):
-                _remove(path)
+                _remove_if_unchanged(path, seen)
             elif self._ours(path.name):
-                return path.name, age
+                return path.name, max(time.time() - seen.st_mtime, 0.0)
         return None
 
     def acknowledge(self) -> None:
@@ -128,14 +129,30 @@ class StopRequests:
                 _remove(path)
 
 
+# A request is stale this long after its hook's wait ran out by this machine's clock: the pods'
+# clocks may disagree by seconds, and a live request must never be taken for a stale one.
+CLOCK_SLACK_S = 60.0
+
+
 def _wait_ran_out(request: str) -> bool:
     for line in request.splitlines():
         if line.startswith("waits until "):
             try:
-                return time.time() > float(line.removeprefix("waits until "))
+                return time.time() > float(line.removeprefix("waits until ")) + CLOCK_SLACK_S
             except ValueError:
                 return False
     return False
+
+
+def _remove_if_unchanged(path: Path, seen: os.stat_result) -> None:
+    """Remove a stale request unless a new one replaced it since it was read (a hook writes a new
+    file and renames it over the old: another inode)."""
+    try:
+        now = path.stat()
+    except OSError:
+        return
+    if (now.st_ino, now.st_mtime_ns) == (seen.st_ino, seen.st_mtime_ns):
+        _remove(path)
 
 
 class StopSignals:

@@ -109,10 +109,32 @@ def test_a_request_whose_hook_stopped_waiting_is_stale(tmp_path):
     from rlscale.preemption import StopRequests
 
     requests = StopRequests(tmp_path, alive=lambda pod: True)
-    (tmp_path / "worker-1").write_text(f"stop requested at {time.time() - 100:f}\nwaits until {time.time() - 70:f}\n")
-    (tmp_path / "worker-2").write_text(f"stop requested at {time.time():f}\nwaits until {time.time() + 30:f}\n")
+    (tmp_path / "worker-1").write_text(f"stop requested at {time.time() - 130:f}\nwaits until {time.time() - 100:f}\n")
+    # a pod whose clock is 20 s behind this one: its fresh request must still count
+    (tmp_path / "worker-2").write_text(f"stop requested at {time.time() - 20:f}\nwaits until {time.time() - 5:f}\n")
     assert requests.pending()[0] == "worker-2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["worker-2"]
+
+
+def test_a_stale_request_replaced_while_it_was_read_is_kept(tmp_path, monkeypatch):
+    """A restarted pod's hook may write a new request (a new file renamed over the old) between
+    the driver's read of the stale one and its removal: the new one stays."""
+    import rlscale.preemption as preemption
+
+    path = tmp_path / "worker-1"
+    path.write_text(f"waits until {time.time() - 100:f}\n")
+    real = preemption._wait_ran_out
+
+    def replaced_meanwhile(text):
+        (tmp_path / ".worker-1.tmp").write_text(f"waits until {time.time() + 30:f}\n")
+        os.replace(tmp_path / ".worker-1.tmp", path)
+        return real(text)
+
+    monkeypatch.setattr(preemption, "_wait_ran_out", replaced_meanwhile)
+    assert preemption.StopRequests(tmp_path, alive=lambda pod: True).pending() is None  # the old text: stale
+    assert path.exists()
+    monkeypatch.setattr(preemption, "_wait_ran_out", real)
+    assert preemption.StopRequests(tmp_path, alive=lambda pod: True).pending()[0] == "worker-1"
 
 
 def test_a_signal_while_stopping_for_a_pod_does_not_cut_the_save_short(tmp_path):

@@ -108,9 +108,9 @@ while drivers():
 # instead leaves a request named by the pod's hostname in the stop-requests directory on the
 # shared volume (written whole: a temporary dot-file, then renamed) and waits for the driver to
 # remove it, which it does once its emergency save has committed or when it exits (see
-# rlscale.preemption.StopRequests). When its wait runs out (2 s before the kubelet's SIGKILL at
-# the end of the grace period) it takes the request back; the request also says until when it
-# waits, so that a driver ignores one left by a hook killed earlier. With no policy worker in the
+# rlscale.preemption.StopRequests). When its wait runs out at the end of the grace period it takes
+# the request back (in the kubelet's 2 s extension for a hook still running then); the request
+# also says until when it waits, so that a driver ignores one left by a hook killed earlier. With no policy worker in the
 # pod (no job running, the cluster torn down) it returns at once. Plain Python, as HEAD_PRE_STOP.
 # Arguments: the variable naming the directory, the grace period in seconds, the process title to
 # look for ('' = do not look).
@@ -127,7 +127,7 @@ def running(title):
     return False
 if title and not running(title):
     sys.exit(0)
-until = time.time() + max(grace_s - 2, 1)
+until, deadline = time.time() + grace_s, time.monotonic() + grace_s
 os.makedirs(directory, exist_ok=True)
 path = os.path.join(directory, socket.gethostname())
 tmp = os.path.join(directory, '.' + socket.gethostname() + '.tmp')
@@ -136,7 +136,7 @@ with open(tmp, 'w') as f:
     f.flush()
     os.fsync(f.fileno())
 os.replace(tmp, path)
-while os.path.exists(path) and time.time() < until:
+while os.path.exists(path) and time.monotonic() < deadline:
     time.sleep(0.5)
 try:
     os.remove(path)
