@@ -83,11 +83,12 @@ def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
 
 
 def _sdpa_per_document(query, key, value, cu_seqlens, scaling):
-    bounds = cu_seqlens.tolist()
+    # split, not one slice per document: a slice's backward writes its gradient into a zeroed
+    # tensor of the whole row (documents × row length), a split's backward concatenates once
+    lengths = torch.diff(cu_seqlens).tolist()
     gqa = query.shape[1] != key.shape[1]
-    outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
-                                           scale=scaling, enable_gqa=gqa)
-            for a, b in zip(bounds[:-1], bounds[1:])]
+    outs = [F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+            for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value)))]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
