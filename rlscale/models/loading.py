@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -48,8 +49,6 @@ def cached_snapshot(repo_id: str, tokenizer_only: bool = False) -> str | None:
     Whole means: a model's config and every weight file its index names (or its single weight
     file); a tokenizer's config, vocabulary and chat template (see `_whole_tokenizer`). Anything
     less (an interrupted download, a tool that fetched one file) is left to transformers."""
-    import json
-
     from huggingface_hub import snapshot_download
 
     try:
@@ -75,8 +74,6 @@ def _whole_tokenizer(snapshot: Path) -> bool:
     """A tokenizer's config, its vocabulary, and its chat template known: in the config, in
     chat_template.jinja, or absent on the hub (the cache's .no_exist marker for that revision).
     Without the last, a prompt would silently lose the template the hub has."""
-    import json
-
     vocab = [("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",)]
     if not any(all((snapshot / name).is_file() for name in files) for files in vocab):
         return False
@@ -87,6 +84,16 @@ def _whole_tokenizer(snapshot: Path) -> bool:
     no_template = snapshot.parent.parent / ".no_exist" / snapshot.name / "chat_template.jinja"
     return (isinstance(config, dict) and "chat_template" in config) or (snapshot / "chat_template.jinja").is_file() \
         or no_template.exists()
+
+
+def _load_path(name: str, key: str, trust_remote_code: bool, tokenizer_only: bool = False) -> str:
+    """What to hand transformers for `name`: `resolve_model_path`'s answer, except that a hub id
+    whole in the cache becomes its snapshot directory (`cached_snapshot`). Not with remote code:
+    its modules are transformers' to fetch."""
+    path = resolve_model_path(name, key)
+    if path == name and not trust_remote_code:  # a hub id
+        path = cached_snapshot(name, tokenizer_only) or name
+    return path
 
 
 def pick_device(choice: str) -> torch.device:
@@ -115,9 +122,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, key: str = "polic
     from transformers import AutoTokenizer
 
     quiet_transformers()
-    path = resolve_model_path(name, key)
-    if path == name and not trust_remote_code:  # a hub id (remote code: its modules are transformers' to fetch)
-        path = cached_snapshot(name, tokenizer_only=True) or name
+    path = _load_path(name, key, trust_remote_code, tokenizer_only=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises many types for a bad id or path
@@ -133,9 +138,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, trust_remote
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
-    path = resolve_model_path(name)
-    if path == name and not trust_remote_code:  # a hub id (remote code: its modules are transformers' to fetch)
-        path = cached_snapshot(name) or name
+    path = _load_path(name, "policy.model_name", trust_remote_code)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code)
