@@ -70,10 +70,30 @@ class SchedulerConfig(_Section):
 
 
 class PolicyConfig(_Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _precision_alias(cls, data: Any) -> Any:
+        """NeMo-RL's policy.precision means the compute dtype over fp32 master weights: rlscale's dtype."""
+        if isinstance(data, dict) and "precision" in data:
+            data = dict(data)
+            precision = data.pop("precision")
+            if "dtype" in data and data["dtype"] != precision:
+                raise ValueError(f"policy.precision={precision} and policy.dtype={data['dtype']} disagree "
+                                 "(they are one setting: give one)")
+            data["dtype"] = precision
+        return data
+
     model_name: str = Field("builtin:tiny-arith", description="HF hub id, local path, or builtin:NAME")
     tokenizer_name: str | None = Field(None, description="tokenizer id/path; default: model_name")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weights dtype; auto = bfloat16 on CUDA, float32 on CPU")
+        "auto", description="compute dtype of forward and backward (NeMo-RL's policy.precision is the same "
+        "key); auto = bfloat16 on CUDA, float32 on CPU")
+    master_weights: Literal["auto", "fp32", "bf16_stochastic", "bf16"] = Field(
+        "auto", description="what the optimizer updates when dtype is 16-bit. fp32: fp32 weights and AdamW "
+        "moments, compute in dtype, gradients reduced and accumulated in fp32 (16 bytes a parameter); "
+        "bf16_stochastic: bf16 weights, fp32 moments, updates rounded stochastically so small ones are kept "
+        "on average (12 bytes); bf16: bf16 weights and moments, small updates round away (8 bytes; only when "
+        "asked for); auto = fp32 when the memory plan fits it, else bf16_stochastic")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when present")
     cpu_threads: int | None = Field(
         None, ge=1, description="torch threads of a worker on CPU; null = half the cores (the rest score rewards)")
@@ -97,8 +117,9 @@ class PolicyConfig(_Section):
     attention_backend: Literal["auto", "varlen", "sdpa"] = Field(
         "auto", description="attention over packed rows: varlen (FlashAttention by sequence lengths, CUDA), "
         "sdpa (one call per sample), auto = varlen where available")
-    activation_checkpointing: bool = Field(
-        False, description="recompute each layer's activations in the backward: less memory, ~1/3 more compute")
+    activation_checkpointing: bool | None = Field(
+        None, description="recompute each layer's activations in the backward: less memory, ~1/3 more compute; "
+        "null = the memory plan decides (off when the update fits without it)")
     compile: bool | None = Field(
         None, description="torch.compile each decoder layer (fuses norms, rotary, activations; the first "
         "steps pay the compile time); null = on CUDA only")
@@ -114,6 +135,13 @@ class PolicyConfig(_Section):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+    @model_validator(mode="after")
+    def _master_weights_fit_dtype(self) -> PolicyConfig:
+        if self.master_weights in ("bf16", "bf16_stochastic") and self.dtype in ("float32", "float16"):
+            raise ValueError(f"policy.master_weights={self.master_weights} keeps bf16 weights, but policy.dtype="
+                             f"{self.dtype}; use policy.dtype=bfloat16 (or auto), or master_weights=fp32")
+        return self
 
 
 class LossConfig(_Section):
@@ -191,6 +219,10 @@ class ClusterConfig(_Section):
                                        description="wait this long for the workers' resources")
     collective_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False,
                                         description="torch.distributed collective timeout")
+    gpu_memory_gb: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="memory of one GPU, in GB (1e9 bytes), that the memory plan checks a run against; null = "
+        "the device's own when a GPU is visible (no verdict on a machine without one)")
 
 
 class CheckpointingConfig(_Section):
