@@ -15,6 +15,14 @@ def is_sharded(tensor) -> bool:
     return hasattr(tensor, "device_mesh") and hasattr(tensor, "to_local")
 
 
+def local_view(tensor):
+    """A DTensor on a mesh of one rank (FSDP2 at one worker) as its local tensor, which is the
+    whole tensor: saved and loaded in place like an unsharded one, without a gathered copy."""
+    if is_sharded(tensor) and tensor.device_mesh.size() == 1:
+        return tensor.to_local()
+    return tensor
+
+
 def storage_key(tensor: torch.Tensor) -> tuple:
     """What tied tensors share: their (local) memory."""
     local = tensor.to_local() if is_sharded(tensor) else tensor

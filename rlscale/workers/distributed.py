@@ -18,18 +18,23 @@ def free_port() -> int:
 
 
 def init_process_group(rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:
-    """Join the group at MASTER_ADDR:MASTER_PORT (set by the worker group): NCCL on GPU, gloo on CPU."""
+    """Join the group at MASTER_ADDR:MASTER_PORT (set by the worker group): NCCL on GPU, gloo on CPU.
+    A group of one (FSDP2 at one worker, see rlscale.workers.precision) needs no address: it takes
+    a free port on this machine."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    address = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if world_size == 1 and "MASTER_PORT" not in os.environ:
+        address = f"tcp://127.0.0.1:{free_port()}"
+    else:
+        address = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
 
 
-def shard_model(model, layers_per_unit: int = 1) -> None:
+def shard_model(model, layers_per_unit: int = 1, mp_policy=None) -> None:
     """FSDP2: shard the transformer blocks in units of `layers_per_unit` consecutive blocks (one
     all-gather and one reduce-scatter per unit), then the root (embeddings, norm, head).
 
@@ -37,15 +42,17 @@ def shard_model(model, layers_per_unit: int = 1) -> None:
     decoder (Qwen2/3, Llama, ...) is sharded block by block. A GRPO step keeps the whole model
     gathered from generation to the last backward, so units of one block buy no memory, only
     more (and smaller) collectives, each with its own host-side cost.
+    mp_policy: FSDP2's MixedPrecisionPolicy (fp32 master weights, rlscale.workers.precision).
     """
     from torch.distributed.fsdp import fully_shard
 
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [module for module in model.modules() if type(module).__name__ in block_names]
     for start in range(0, len(blocks), layers_per_unit):
         unit = blocks[start:start + layers_per_unit]
-        fully_shard(unit if len(unit) > 1 else unit[0])
-    fully_shard(model)
+        fully_shard(unit if len(unit) > 1 else unit[0], **kwargs)
+    fully_shard(model, **kwargs)
 
 
 def max_over_workers(value: int, device: torch.device) -> int:

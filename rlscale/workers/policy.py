@@ -17,14 +17,14 @@ import torch
 
 from rlscale.config import Config, token_budget
 from rlscale.grpo.loss import grpo_token_loss, linear_logprobs, linear_logprobs_loss
-from rlscale.models import PromptRenderer, load_model, load_tokenizer, pick_device, pick_dtype
+from rlscale.models import PromptRenderer, load_model, load_tokenizer, pick_device
 from rlscale.models.packed_attention import packed_kwargs, use_packed_attention
 from rlscale.models.prompts import decode_responses
 from rlscale.workers.batch import Rollouts, TrainBatch
 from rlscale.rollout import RolloutEngine, SamplingMode, StopStrings, round_up, unsupported_reason
 from rlscale.telemetry.torch_profile import CallProfiler
 from rlscale.workers.packing import PackedMicroBatch, filler_pack, pack_batch, to_device
-from rlscale.workers import distributed, state_io
+from rlscale.workers import distributed, precision, state_io
 
 
 @dataclass
@@ -57,12 +57,14 @@ class PolicyWorker(state_io.CheckpointableWorker):
         torch.manual_seed(cfg.grpo.seed + rank)
         random.seed(cfg.grpo.seed + rank)
         self.device = pick_device(policy.device)
-        self.dtype = pick_dtype(policy.dtype, self.device)
+        self.precision = precision.resolve_precision(policy, self.device)
+        self.dtype = self.precision.compute  # of forward passes, the reference and the rollout engine
         if self.device.type == "cpu":
             # OpenMP threads spin-wait: with every core taken, one busy core (the reward pool, a
             # second worker) makes each small matmul wait for a descheduled thread.
             torch.set_num_threads(policy.cpu_threads or max(1, (os.cpu_count() or 2) // 2))
-        self.sharded = world_size > 1 if distributed_group is None else distributed_group
+        # FSDP2 over the workers, and at one worker too where the precision needs its casts
+        self.sharded = (world_size > 1 or self.precision.needs_fsdp) if distributed_group is None else distributed_group
         if self.sharded:
             if self.device.type == "cuda":
                 torch.cuda.set_device(distributed.local_gpu_index())
@@ -72,7 +74,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self.renderer = PromptRenderer(
             self.tokenizer, policy.prompt_format,
             max_prompt_tokens=policy.max_total_sequence_length - policy.generation.max_new_tokens)
-        self.model = load_model(policy.model_name, self.dtype, self.device, policy.trust_remote_code)
+        self.model = load_model(policy.model_name, self.precision.weights, self.device, policy.trust_remote_code)
         self.model.config.use_cache = False
         use_packed_attention(self.model, policy.attention_backend)
         # activation checkpointing, then compile, then FSDP2 (sharding below), as torchtitan orders them
@@ -93,15 +95,13 @@ class PolicyWorker(state_io.CheckpointableWorker):
                 compile_layers(self.reference)
         self.reference_sharded = False
         if self.sharded:
-            distributed.shard_model(self.model, policy.fsdp_layers_per_unit)
-            if self.reference is not None and distributed.shard_reference(
+            distributed.shard_model(self.model, policy.fsdp_layers_per_unit, self.precision.fsdp_policy())
+            if self.reference is not None and world_size > 1 and distributed.shard_reference(
                     policy.shard_reference, self.reference, self.device):
                 distributed.shard_model(self.reference, policy.fsdp_layers_per_unit)
                 self.reference_sharded = True
-        opt = policy.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
-            fused=self.device.type == "cuda" or None)  # one kernel for all parameters on GPU
+        self.optimizer = precision.make_optimizer(self.model.parameters(), policy.optimizer, self.precision,
+                                                  self.device, seed=cfg.grpo.seed * 1009 + rank)
         warmup = policy.scheduler.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: warmup_factor(s, warmup))
 

@@ -51,7 +51,7 @@ def model_tensors(model) -> dict[str, torch.Tensor]:
         if tensor.numel() and key in seen:
             continue
         seen.add(key)
-        out[name] = tensor
+        out[name] = sharded.local_view(tensor)
     return out
 
 
@@ -67,7 +67,7 @@ def param_names(model) -> dict[int, str]:
 
 def optimizer_moments(optimizer, name_of: dict[int, str]) -> dict[str, torch.Tensor]:
     """The optimizer's state tensors as "<param name>::<key>"."""
-    return {f"{name_of[id(p)]}::{key}": value for p, state in optimizer.state.items()
+    return {f"{name_of[id(p)]}::{key}": sharded.local_view(value) for p, state in optimizer.state.items()
             for key, value in state.items() if isinstance(value, torch.Tensor)}
 
 
@@ -153,8 +153,8 @@ def state_signature(model, optimizer) -> tuple | None:
     the same memory under the same names now: true across in-place updates (optimizer.step, a
     load into the existing tensors), false once a tensor is replaced, moved or added. None when
     a tensor is sharded: those are gathered into fresh whole tensors at every save."""
-    named = [*model.named_parameters(), *model.named_buffers()]
-    states = [(id(p), key, value) for p, state in optimizer.state.items()
+    named = [(name, sharded.local_view(t)) for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    states = [(id(p), key, sharded.local_view(value)) for p, state in optimizer.state.items()
               for key, value in state.items() if isinstance(value, torch.Tensor)]
     tensors = [t for _, t in named] + [value for _, _, value in states]
     if any(map(sharded.is_sharded, tensors)):
@@ -186,7 +186,10 @@ def hf_side_files(worker) -> dict[str, bytes]:
         model = worker.model
         with tempfile.TemporaryDirectory() as tmp:
             config = copy.deepcopy(model.config)
-            config.dtype = str(next(model.parameters()).dtype).split(".")[1]
+            # the dtype the model computes in (fp32 master weights are saved as they train, and
+            # `rlscale ckpt export` writes this dtype)
+            dtype = getattr(worker, "dtype", None) or next(model.parameters()).dtype
+            config.dtype = str(dtype).split(".")[1]
             config.architectures = [type(model).__name__]
             config.use_cache = True  # workers switch it off for training; an exported model generates
             config.save_pretrained(tmp)
@@ -225,7 +228,11 @@ def load_worker_state(worker, step_dir: str | Path, manifest: dict, verify_check
     files = manifest["files"]
     targets = model_tensors(worker.model)
     params = dict(worker.model.named_parameters())
-    existing = optimizer_moments(worker.optimizer, param_names(worker.model))
+    name_of = param_names(worker.model)
+    existing = optimizer_moments(worker.optimizer, name_of)
+    # the state tensors themselves (a one-rank DTensor's local view is read into in place)
+    existing_state = {f"{name_of[id(p)]}::{key}": value for p, state in worker.optimizer.state.items()
+                      for key, value in state.items() if isinstance(value, torch.Tensor)}
     rng_file = f"{RNG_DIR}/rank{worker.rank}.safetensors"
     wanted = [rel for rel in files if rel.endswith(".safetensors")
               and (rel.startswith((f"{POLICY_DIR}/", f"{OPTIM_DIR}/")) or rel == rng_file)]
@@ -261,7 +268,9 @@ def load_worker_state(worker, step_dir: str | Path, manifest: dict, verify_check
         elif rel.startswith(f"{OPTIM_DIR}/"):
             for flat, tensor in list(tensors.items()):
                 have, param = existing.get(flat), params.get(flat.split("::")[0])
-                if have is not None and sharded.is_sharded(have):
+                if have is not None and tensor is have:
+                    tensors[flat] = existing_state[flat]  # read in place (through a local view)
+                elif have is not None and sharded.is_sharded(have):
                     sharded.assign(have, tensor)
                     tensors[flat] = have
                 elif param is not None and sharded.is_sharded(param) and not flat.endswith("::step"):

@@ -1,0 +1,104 @@
+"""What a policy worker computes in and what its optimizer updates (policy.dtype, policy.master_weights).
+
+AdamW on bf16 weights rounds away every update smaller than half a bf16 step of the weight (about
+|w| / 512): with weights ~N(0, 0.02) most updates vanish at learning rates below ~1e-5, the range
+real RL post-training runs in. So a 16-bit compute dtype gets, by default, fp32 master weights:
+
+- fp32: fp32 parameters and AdamW moments; FSDP2's MixedPrecisionPolicy casts each unit to the
+  compute dtype when it is gathered, reduces gradients in fp32 and accumulates them across
+  micro-batches in fp32. Used at every worker count (one worker is an FSDP2 group of one), so one
+  worker and N workers compute the same way.
+- bf16_stochastic: bf16 parameters, fp32 moments, and updates rounded to bf16 stochastically
+  (rlscale.workers.stochastic_adamw), so a small update is kept on average; gradients reduced and
+  accumulated in fp32 as above.
+- bf16: bf16 parameters and moments (torch's AdamW), only when asked for.
+The frozen reference model and the rollout engine's copy are in the compute dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlscale.config import OptimizerConfig, PolicyConfig
+
+# With weights ~N(0, 0.02) and AdamW's per-step update of about lr, the share of bf16 weights that a
+# step changes (bf16_update_kept_fraction; tests/workers/test_precision.py records it): lr 3e-4:
+# 100%, 1e-4: 88%, 5e-5: 57%, 3e-5: 30%, 1e-5: 16%, 1e-6: 2.0%, 3e-7: 0.5%.
+BF16_VANISHING_LR = 5e-5  # below it, half or more of the updates are rounded away
+
+
+@dataclass(frozen=True)
+class Precision:
+    compute: torch.dtype  # forward and backward, the reference model, the rollout engine
+    weights: torch.dtype  # the parameters the optimizer updates
+    master: str  # fp32 | bf16_stochastic | bf16
+
+    @property
+    def casts(self) -> bool:
+        """Whether FSDP2 must cast parameters to the compute dtype (fp32 master under 16-bit compute)."""
+        return self.weights != self.compute
+
+    @property
+    def needs_fsdp(self) -> bool:
+        """fp32 master weights and stochastic rounding go through FSDP2 at any worker count: its
+        MixedPrecisionPolicy casts parameters and reduces and accumulates gradients in fp32."""
+        return self.compute != torch.float32 and self.master in ("fp32", "bf16_stochastic")
+
+    def fsdp_policy(self):
+        """FSDP2's MixedPrecisionPolicy for this precision (None: FSDP2's default, all in the weights' dtype)."""
+        if not self.needs_fsdp:
+            return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.compute, reduce_dtype=torch.float32)
+
+
+def compute_dtype(policy: PolicyConfig, device: torch.device) -> torch.dtype:
+    """policy.dtype, where auto is bf16 on CUDA (and wherever bf16 weights were asked for), else fp32."""
+    if policy.dtype != "auto":
+        return getattr(torch, policy.dtype)
+    if device.type == "cuda" or policy.master_weights in ("bf16", "bf16_stochastic"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def resolve_precision(policy: PolicyConfig, device: torch.device) -> Precision:
+    """The worker's precision. master_weights=auto is resolved by the memory plan before workers
+    start (rlscale.memory_plan); a worker that still sees auto (no plan was made) takes fp32."""
+    compute = compute_dtype(policy, device)
+    if compute == torch.float32:
+        return Precision(torch.float32, torch.float32, "fp32")
+    master = "fp32" if policy.master_weights == "auto" else policy.master_weights
+    weights = torch.float32 if master == "fp32" else torch.bfloat16
+    return Precision(compute, weights, master)
+
+
+def vanishing_update_warning(precision: Precision, lr: float) -> str | None:
+    """A start-up line when bf16 weights would round most of this learning rate's updates away."""
+    if precision.master != "bf16" or precision.weights != torch.bfloat16 or lr >= BF16_VANISHING_LR:
+        return None
+    kept = bf16_update_kept_fraction(lr)
+    return (f"warning: policy.master_weights=bf16 at policy.optimizer.lr={lr:g}: an AdamW step changes only "
+            f"~{kept:.0%} of bf16 weights of scale 0.02 (the rest round away); use master_weights=fp32 or "
+            "bf16_stochastic (the default, auto, picks one of them)")
+
+
+def bf16_update_kept_fraction(lr: float, std: float = 0.02, samples: int = 200_000, seed: int = 0) -> float:
+    """The share of bf16 weights ~N(0, std) that change when ±lr is added (AdamW's update size)."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = (torch.randn(samples, generator=generator) * std).bfloat16()
+    updated = (weights.float() - lr).bfloat16()
+    return float((updated != weights).float().mean())
+
+
+def make_optimizer(params, opt: OptimizerConfig, precision: Precision, device: torch.device, seed: int):
+    """AdamW as the precision needs it; `seed` keys the stochastic rounding (per rank)."""
+    kwargs = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    if precision.master == "bf16_stochastic":
+        from rlscale.workers.stochastic_adamw import StochasticRoundingAdamW
+
+        return StochasticRoundingAdamW(params, seed=seed, **kwargs)
+    # fused: one kernel for all parameters on GPU
+    return torch.optim.AdamW(params, fused=device.type == "cuda" or None, **kwargs)
