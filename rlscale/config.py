@@ -127,6 +127,11 @@ class PolicyConfig(_Section):
         None, description="FSDP2-shard the frozen reference model over the workers (each logprob pass "
         "all-gathers it); false keeps a whole copy per worker; null = shard only when its weights exceed "
         "10% of a GPU's memory")
+    keep_gathered: bool | None = Field(
+        None, description="FSDP2: keep the whole policy gathered from the generation through the update and "
+        "reduce gradients once per optimizer step (fewest collectives; costs the whole model and its "
+        "gradients per GPU); false = gather one unit at a time and reduce every micro-batch's gradients; "
+        "null = the memory plan decides (on when it fits)")
     fsdp_layers_per_unit: int = Field(
         6, ge=1, description="decoder layers per FSDP2 unit when sharded over several workers (one "
         "all-gather and one reduce-scatter per unit): more layers, fewer and larger collectives")

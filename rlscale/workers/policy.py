@@ -93,6 +93,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
             use_packed_attention(self.reference, policy.attention_backend)
             if self.compiled:
                 compile_layers(self.reference)
+        # null (no memory plan was made): keep the policy gathered, the fastest way when it fits
+        self.keep_gathered = policy.keep_gathered is not False
         self.reference_sharded = False
         if self.sharded:
             distributed.shard_model(self.model, policy.fsdp_layers_per_unit, self.precision.fsdp_policy())
@@ -133,7 +135,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         if engine is None:
             return dataclasses.replace(self._generate_hf(prompt_ids, params), prompt_cut=prompt_cut)
         tok = self.tokenizer
-        with distributed.gathered(self.model, self.sharded, keep=update_follows):
+        with distributed.gathered(self.model, self.sharded, keep=update_follows and self.keep_gathered):
             engine.sync_weights(self.model)  # in place, device to device; the engine then decodes alone
         self.profiler.mark("gather and sync weights")
         out = engine.generate(
@@ -256,7 +258,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
         # pi_old must be the policy that sampled: recompute it before the first update when
         # several optimizer steps follow; with one step the current logprobs are pi_old exactly.
         # the policy stays gathered for its update (its last backward reshards)
-        old = [self._pack_logprobs(self.model, p, self.sharded, keep_gathered=True) if len(steps) > 1 else None
+        old = [self._pack_logprobs(self.model, p, self.sharded, keep_gathered=self.keep_gathered)
+               if len(steps) > 1 else None
                for p in packs]
         ref = [self._pack_logprobs(self.reference, p, self.reference_sharded, keep_gathered=False)
                if self.reference is not None else None for p in packs]
@@ -306,9 +309,10 @@ class PolicyWorker(state_io.CheckpointableWorker):
         norm = max(global_tokens, 1.0) / self.world_size
         seq_norm = global_samples / self.world_size
         response_lengths = batch.response_mask.sum(1).clamp_min(1)
-        with distributed.accumulating(self.model, self.sharded):
+        deferred = self.sharded and self.keep_gathered  # gradients reduced once, at the last micro-batch
+        with distributed.accumulating(self.model, deferred):
             for i, mb in enumerate(micro_batches):
-                distributed.last_micro_batch(self.model, i == len(micro_batches) - 1, self.sharded)
+                distributed.last_micro_batch(self.model, i == len(micro_batches) - 1, deferred)
                 self._accumulate(mb, batch, None if old is None else old[i], None if ref is None else ref[i],
                                  norm, seq_norm, trained_total, response_lengths, sums)
                 self.profiler.mark(f"micro-batch {i} forward+backward")
@@ -325,6 +329,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self.profiler.mark("clip gradients")
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # the gradients' memory is the generation's until the next update
         self.scheduler.step()
         self.profiler.mark("optimizer step")
         stats = {key: float(value) for key, value in sums.items()}
