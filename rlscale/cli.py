@@ -47,9 +47,12 @@ def train(
     from rlscale.config import config_notes, load_config
     from rlscale.telemetry import print_note
 
+    from rlscale.workers.precision import vanishing_update_warning
+
     cfg = load_config(config, overrides or [])
-    for note in config_notes(cfg):
-        print_note(note)
+    for note in [*config_notes(cfg), vanishing_update_warning(cfg.policy)]:
+        if note:
+            print_note(note)
     if dry_run:
         from rlscale.data.presets import find_preset
 

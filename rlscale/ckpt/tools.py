@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -57,10 +58,12 @@ def export_policy(step_dir: Path, out: Path) -> Path:
     staging = (out / ".rlscale-export-tmp") if existing else out.parent / f".{out.name}.export-tmp-{os.getpid()}"
     try:
         staging.mkdir(parents=True)
+        dtype = _model_dtype(step_dir / prefix / "config.json")
         for rel in policy_files:
             target = staging / rel[len(prefix):]
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(step_dir / rel, target)
+            if not (rel.endswith(".safetensors") and _write_in_dtype(step_dir / rel, target, dtype)):
+                shutil.copyfile(step_dir / rel, target)
             with open(target, "rb+") as handle:
                 os.fsync(handle.fileno())
         if not existing:
@@ -73,3 +76,35 @@ def export_policy(step_dir: Path, out: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise UserError(f"export to {str(out)!r} failed: {exc.strerror or exc}") from None
     return out
+
+
+
+def _model_dtype(config_json: Path):
+    """The dtype the model computes in, as its config.json says (None when it says nothing)."""
+    import torch
+
+    try:
+        config = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("dtype") or config.get("torch_dtype")
+    value = getattr(torch, name, None) if isinstance(name, str) else None
+    return value if isinstance(value, torch.dtype) else None
+
+
+def _write_in_dtype(source: Path, target: Path, dtype) -> bool:
+    """Write a weight file with its floating tensors in `dtype` (fp32 master weights are exported
+    in the model's bf16), one file at a time; False when nothing needs a cast (copy it as is)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if dtype is None:
+        return False
+    with safe_open(str(source), "pt") as handle:
+        names, metadata = list(handle.keys()), handle.metadata()
+        tensors = {n: handle.get_tensor(n) for n in names}
+    recast = {n: t.to(dtype) for n, t in tensors.items() if t.is_floating_point() and t.dtype != dtype}
+    if not recast:
+        return False
+    save_file({**tensors, **recast}, str(target), metadata=metadata)
+    return True

@@ -75,14 +75,15 @@ def resolve_precision(policy: PolicyConfig, device: torch.device) -> Precision:
     return Precision(compute, weights, master)
 
 
-def vanishing_update_warning(precision: Precision, lr: float) -> str | None:
-    """A start-up line when bf16 weights would round most of this learning rate's updates away."""
-    if precision.master != "bf16" or precision.weights != torch.bfloat16 or lr >= BF16_VANISHING_LR:
+def vanishing_update_warning(policy: PolicyConfig) -> str | None:
+    """A start-up line when bf16 weights (asked for) would round most of this learning rate's updates away."""
+    lr = policy.optimizer.lr
+    if policy.master_weights != "bf16" or lr >= BF16_VANISHING_LR:
         return None
     kept = bf16_update_kept_fraction(lr)
     return (f"warning: policy.master_weights=bf16 at policy.optimizer.lr={lr:g}: an AdamW step changes only "
             f"~{kept:.0%} of bf16 weights of scale 0.02 (the rest round away); use master_weights=fp32 or "
-            "bf16_stochastic (the default, auto, picks one of them)")
+            "bf16_stochastic (auto, the default, picks one of them)")
 
 
 def bf16_update_kept_fraction(lr: float, std: float = 0.02, samples: int = 200_000, seed: int = 0) -> float:

@@ -127,9 +127,30 @@ def test_master_weights_train_save_and_resume_bit_exact(bf16_cfg, master):
     with safe_open(str(next((step_dir / "policy").glob("*.safetensors"))), "pt") as handle:
         assert handle.get_tensor(next(iter(handle.keys()))).dtype == weights_dtype
 
+    # the export is the model in its own dtype, loadable as is
+    from transformers import AutoModelForCausalLM
+
+    from rlscale.ckpt.tools import export_policy
+
+    exported = AutoModelForCausalLM.from_pretrained(export_policy(step_dir, cfg.checkpoint_dir.parent / "export"))
+    assert all(p.dtype == torch.bfloat16 for p in exported.parameters())
+    with safe_open(str(next((cfg.checkpoint_dir.parent / "export").glob("*.safetensors"))), "pt") as handle:
+        assert handle.get_tensor(next(iter(handle.keys()))).dtype == torch.bfloat16
+    master = dict(worker.model.named_parameters())["model.norm.weight"]
+    assert torch.equal(dict(exported.named_parameters())["model.norm.weight"], master.to_local().bfloat16())
+
     restored = PolicyWorker(cfg)
     ckpt.load(ckpt.latest(), LocalWorkerGroup(lambda rank, size: restored))
     assert_same_state(before, full_state(restored))
     train_steps(worker, seed=5)
     train_steps(restored, seed=5)
     assert_same_state(full_state(worker), full_state(restored))
+
+
+def test_plain_bf16_at_a_small_learning_rate_is_warned_about_at_start():
+    from rlscale.workers.precision import vanishing_update_warning
+
+    line = vanishing_update_warning(load_config(None, ["policy.master_weights=bf16", "policy.optimizer.lr=1e-6"]).policy)
+    assert line.startswith("warning: policy.master_weights=bf16 at policy.optimizer.lr=1e-06") and "~2%" in line
+    assert vanishing_update_warning(load_config(None, ["policy.master_weights=bf16"]).policy) is None  # lr 2e-4
+    assert vanishing_update_warning(load_config(None, ["policy.optimizer.lr=1e-6"]).policy) is None  # auto
