@@ -1,0 +1,518 @@
+"""The memory plan: per-GPU bytes of each phase of a GRPO step, from the model's config.json alone.
+
+Made before any weight loads. It counts what the code allocates, per worker (one per GPU, W of them):
+- FSDP2 (W > 1, and W = 1 for fp32 master or stochastic rounding under 16-bit compute, see
+  rlscale.workers.precision) shards the optimizer's weights, gradients and AdamW moments over W;
+- the policy is gathered whole in the compute dtype for the generation's weight sync; with
+  policy.keep_gathered it stays gathered until the update's last backward and gradients are
+  reduced once per optimizer step, else the update gathers one FSDP2 unit at a time and reduces
+  every micro-batch's gradients;
+- the rollout engine keeps its own fused copy (compute dtype), its KV cache (slots × length) and
+  its CUDA-graph pool for the whole run;
+- the KL reference is whole per GPU unless sharded, and then gathered whole for its pass;
+- with several micro-batches and keep_gathered, FSDP2 accumulates unsharded gradients (in fp32
+  under its MixedPrecisionPolicy) until the last micro-batch's reduce-scatter.
+Figures are upper bounds: every sample policy.max_total_sequence_length long, every sample
+trained. The coefficients are derived from the code (and the saved tensors counted on CPU for a
+small Qwen2); each is one named constant, to be calibrated against H200 measurements.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from itertools import product
+from pathlib import Path
+
+from rlscale.config import Config, derive_sizes
+
+GB = 1e9
+RESERVE_BYTES = 2e9  # CUDA context, cuBLAS and NCCL workspaces: outside what torch allocates
+RESERVE_FRACTION = 0.03  # the caching allocator's fragmentation, of the device's memory
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """Bytes per token of one decoder layer at 16-bit compute, per unit of each width (fp32: twice)."""
+
+    hidden: float
+    q: float  # per unit of heads × head_dim
+    kv: float  # per unit of kv_heads × head_dim
+    intermediate: float
+
+    def per_token(self, shape: ModelShape, scale: float) -> float:
+        return scale * (self.hidden * shape.hidden_size + self.q * shape.q_width + self.kv * shape.kv_width
+                        + self.intermediate * shape.intermediate_size)
+
+
+# Saved for backward by an eager decoder layer: each RMSNorm its fp32 input copy and bf16 output
+# (2 × (4 + 2) per hidden); q and the attention output (varlen's contiguous q, its out = o_proj's
+# input); k and v; gate, up, silu(gate) and their product (4 × 2). Rotary saves cos/sin only.
+SAVED_EAGER = LayerBytes(hidden=12, q=4, kv=4, intermediate=8)
+# Under torch.compile (policy.compile, default on CUDA) the norms' fp32 math and silu are
+# recomputed: the layer input and both norms' bf16 outputs stay (3 × 2), and gate, up, product (3 × 2).
+SAVED_COMPILED = LayerBytes(hidden=6, q=4, kv=4, intermediate=6)
+# In flight in one layer of a no-grad forward (logprob passes, the engine's prefill), at its MLP:
+# residual, norm temporaries and output; gate, up, silu, product (attention's tensors are freed by then)
+FORWARD_ONLY = LayerBytes(hidden=12, q=0, kv=0, intermediate=8)
+CHECKPOINT_BYTES_PER_HIDDEN = 2  # activation checkpointing keeps each layer's bf16 input only
+OUTSIDE_LAYERS_BYTES_PER_HIDDEN = 12  # embedding output, final norm (fp32 copy, output), head rows, their gradient
+LOGITS_BYTES_EAGER = 16  # per [chunk, vocab] element: bf16 logits, fp32 copy, fp32 softmax temporaries, bf16 gradient
+LOGITS_BYTES_COMPILED = 4  # the compiled chunk kernels read the bf16 logits, write the bf16 gradient
+HEAD_GRAD_FP32_COPIES = 2  # the head's fp32 [vocab, hidden] gradient accumulator and addmm's new sum (CUDA)
+DECODE_LOGITS_BYTES = 16  # per slot × vocab: a step's logits, fp32 log-softmax, sampling temporaries
+STOCHASTIC_STEP_BYTES = 24  # StochasticRoundingAdamW per element of a parameter: fp32 grad, denom, update, noise
+PLAIN_STEP_BYTES = 12  # torch's unfused AdamW (CPU) per element of a parameter; fused on CUDA: none
+ENGINE_PREFILL_TOKENS = 16384  # RolloutEngine's prefill_tokens: prompt rows × width per prefill chunk
+EVAL_CHUNK = 256  # rlscale.evaluate generates the held-out prompts 256 at a time
+ENGINE_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # rlscale.rollout.weights.SUPPORTED_MODEL_TYPES
+COLUMNS = {"weight sync": "sync", "generation": "generate", "optimizer step": "optimizer"}  # table headings
+PICKED_KEYS = ("master_weights", "train_micro_batch_tokens", "shard_reference", "activation_checkpointing",
+               "keep_gathered")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory depends on in a Qwen2/Qwen3/Llama/Mistral-style decoder's config.json."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = True  # Qwen2: q/k/v projections with bias, o_proj without
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k
+    model_type: str = "qwen2"
+    hidden_act: str = "silu"
+    sliding_window: int | None = None  # only when in use
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelShape:
+        heads, kind = config["num_attention_heads"], config.get("model_type", "qwen2")
+        bias = bool(config.get("attention_bias", False))  # Llama, Qwen3, ...: q/k/v and o alike
+        window = config.get("sliding_window")
+        if not config.get("use_sliding_window", window is not None):
+            window = None
+        return cls(config["hidden_size"], config["num_hidden_layers"], heads,
+                   config.get("num_key_value_heads") or heads, config.get("head_dim") or config["hidden_size"] // heads,
+                   config["intermediate_size"], config["vocab_size"], bool(config.get("tie_word_embeddings", False)),
+                   qkv_bias=kind == "qwen2" or bias, o_bias=kind != "qwen2" and bias,
+                   mlp_bias=bool(config.get("mlp_bias", False)), qk_norm=kind == "qwen3", model_type=kind,
+                   hidden_act=config.get("hidden_act", "silu"), sliding_window=window)
+
+    @property
+    def q_width(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def layer_parameters(self) -> int:
+        h, q, kv, i = self.hidden_size, self.q_width, self.kv_width, self.intermediate_size
+        attention = h * (q + 2 * kv) + q * h + self.qkv_bias * (q + 2 * kv) + self.o_bias * h
+        mlp = 3 * h * i + self.mlp_bias * (2 * i + h)
+        return attention + mlp + 2 * h + self.qk_norm * 2 * self.head_dim
+
+    def outside_parameters(self) -> int:
+        """Embedding, final norm and an untied LM head: FSDP2's root unit."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+
+    def parameter_count(self) -> int:
+        return self.num_hidden_layers * self.layer_parameters() + self.outside_parameters()
+
+    def engine_supported(self, max_length: int) -> bool:
+        """rlscale.rollout.weights.unsupported_reason, on the config's values."""
+        return (self.model_type in ENGINE_MODEL_TYPES and not self.mlp_bias
+                and self.hidden_act in ("silu", "gelu", "gelu_pytorch_tanh")
+                and (self.sliding_window is None or self.sliding_window >= max_length))
+
+
+def _qwen(h, layers, heads, kv, i, vocab, tied) -> ModelShape:
+    return ModelShape(h, layers, heads, kv, h // heads, i, vocab, tied)
+
+
+# Qwen2 / Qwen2.5 config.json values (each -Instruct model has its base's shape), for hub ids not
+# in the cache: a plan needs no download.
+KNOWN_SHAPES = {
+    **{f"qwen/{family}-{size}": shape for family in ("qwen2", "qwen2.5") for size, shape in {
+        "0.5b": _qwen(896, 24, 14, 2, 4864, 151936, True), "1.5b": _qwen(1536, 28, 12, 2, 8960, 151936, True),
+        "7b": _qwen(3584, 28, 28, 4, 18944, 152064, False), "72b": _qwen(8192, 80, 64, 8, 29568, 152064, False),
+    }.items()},
+    "qwen/qwen2.5-3b": _qwen(2048, 36, 16, 2, 11008, 151936, True),
+    "qwen/qwen2.5-14b": _qwen(5120, 48, 40, 8, 13824, 152064, False),
+    "qwen/qwen2.5-32b": _qwen(5120, 64, 40, 8, 27648, 152064, False),
+}
+
+
+def load_shape(model_name: str) -> ModelShape | None:
+    """From config.json (builtin:NAME, a local directory, the HF cache), else the known shapes;
+    None when nothing has it."""
+    path = _config_path(model_name)
+    if path is not None:
+        try:
+            return ModelShape.from_config(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+            return None
+    name = model_name.lower()
+    return KNOWN_SHAPES.get(name.removesuffix("-instruct"))
+
+
+def _config_path(model_name: str) -> Path | None:
+    if model_name.startswith("builtin:"):
+        from rlscale.errors import UserError
+        from rlscale.models.loading import resolve_model_path
+
+        try:
+            return Path(resolve_model_path(model_name)) / "config.json"
+        except UserError:
+            return None
+    local = Path(model_name).expanduser()
+    if local.is_dir():
+        return local / "config.json" if (local / "config.json").is_file() else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model_name, "config.json")
+    except Exception:  # not a valid repo id, or no huggingface_hub: nothing cached
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def budget_bytes(cfg: Config) -> int | None:
+    """cluster.gpu_memory_gb, else the memory of this machine's GPU 0, else None (no verdict)."""
+    if cfg.cluster.gpu_memory_gb is not None:
+        return int(cfg.cluster.gpu_memory_gb * GB)
+    if cfg.policy.device == "cpu":
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def usable_bytes(budget: int) -> float:
+    return budget * (1 - RESERVE_FRACTION) - RESERVE_BYTES
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The settings the plan controls, in PICKED_KEYS order: the last is given up first."""
+
+    master_weights: str
+    train_micro_batch_tokens: int
+    shard_reference: bool
+    activation_checkpointing: bool
+    keep_gathered: bool
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    components: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.components.values())
+
+
+@dataclass(frozen=True)
+class Pick:
+    key: str  # under policy.
+    value: object
+    why: str
+
+
+def _compute_bytes(cfg: Config, gpu: bool, master: str) -> int:
+    """The size of rlscale.workers.precision.compute_dtype."""
+    if cfg.policy.dtype == "auto":
+        return 2 if gpu or master in ("bf16", "bf16_stochastic") else 4
+    return 4 if cfg.policy.dtype == "float32" else 2
+
+
+def micro_batching(cfg: Config, world: int, budget: int) -> tuple[int, int]:
+    """(micro-batches per optimizer step, tokens in the largest) with every sample
+    max_total_sequence_length long (rlscale.workers.packing.plan_packs)."""
+    length = cfg.policy.max_total_sequence_length
+    per_worker = -(-cfg.policy.train_global_batch_size // world)
+    return -(-per_worker // max(1, budget // length)), min(budget, per_worker * length)
+
+
+def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool) -> list[Phase]:
+    p, g = cfg.policy, cfg.grpo
+    params, layers, vocab, hidden = (shape.parameter_count(), shape.num_hidden_layers, shape.vocab_size,
+                                     shape.hidden_size)
+    c = _compute_bytes(cfg, gpu, s.master_weights)
+    master = s.master_weights if c == 2 else "fp32"  # fp32 compute trains fp32 weights
+    casts = c == 2 and master in ("fp32", "bf16_stochastic")  # FSDP2 MixedPrecisionPolicy, fp32 reduction
+    sharded = world > 1 or casts
+    share = world if sharded else 1
+    w = 4 if master == "fp32" else 2
+    moments = 8 if master in ("fp32", "bf16_stochastic") else 2 * w
+    unit = max(min(p.fsdp_layers_per_unit, layers) * shape.layer_parameters(), shape.outside_parameters())
+    compiled = p.compile if p.compile is not None else gpu
+    scale = c / 2
+
+    # the rollout engine: its KV cache is kept from one generation to the next (validation's too)
+    length = -(-p.max_total_sequence_length // 64) * 64
+    engine = p.generation.backend == "engine" and shape.engine_supported(length)
+    validates = g.val_at_start or g.val_at_end or g.val_period > 0
+    count = max(-(-g.num_prompts_per_step * g.num_generations_per_prompt // world),
+                -(-min(g.max_val_samples, EVAL_CHUNK) // world) if validates else 0)
+    slots = max(8, 1 << (count - 1).bit_length()) if engine and gpu and p.generation.cuda_graphs else count
+    kv_token = 2 * layers * shape.kv_width * c
+    prompt = p.max_total_sequence_length - p.generation.max_new_tokens
+    prefill = max(min(ENGINE_PREFILL_TOKENS, count * prompt), prompt) if engine else count * prompt
+
+    reference = cfg.loss.reference_policy_kl_penalty > 0
+    ref_sharded = reference and world > 1 and s.shard_reference
+    base = {"training weights": 0 if sharded else params * w, "master weights": params * w / share if sharded else 0,
+            "gradients": params * w / share, "moments": params * moments / share,
+            "reference": params * c / (world if ref_sharded else 1) if reference else 0,
+            "rollout-engine weights": params * c if engine else 0,
+            "KV cache": slots * length * kv_token if engine else 0,
+            "decode buffers": slots * (vocab * DECODE_LOGITS_BYTES + p.generation.max_new_tokens * 12) if engine else 0}
+    whole = params * c if sharded else 0  # the gathered policy: at the weight sync, and kept through the update
+    gathered = whole if s.keep_gathered else 0
+    gather = unit * c * (1 + 1 / world)  # one unit's all-gather output beside its parameters, and its input
+
+    def phase(name, extra: dict, held: float = gathered) -> Phase:
+        parts = dict(base)
+        for key, value in {"training weights": held, **extra}.items():
+            parts[key] = parts.get(key, 0) + value
+        return Phase(name, parts)
+
+    micro_batches, tokens = micro_batching(cfg, world, s.train_micro_batch_tokens)
+    logits = min(p.logprob_chunk_tokens, tokens) * vocab * scale * (
+        LOGITS_BYTES_COMPILED if compiled else LOGITS_BYTES_EAGER)
+    outside = tokens * OUTSIDE_LAYERS_BYTES_PER_HIDDEN * hidden * scale
+    forward_only = FORWARD_ONLY.per_token(shape, scale)
+    saved = (SAVED_COMPILED if compiled else SAVED_EAGER).per_token(shape, scale)
+    if s.activation_checkpointing:  # checkpoints, one layer recomputed, its backward's temporaries
+        activations = tokens * (layers * CHECKPOINT_BYTES_PER_HIDDEN * hidden * scale + 2 * saved) + outside
+    else:  # every layer's saved tensors, one layer's backward temporaries
+        activations = tokens * (layers + 1) * saved + outside
+    reduce_bytes = 4 if casts else c
+    reduce = unit * reduce_bytes * (1 + 1 / world) if sharded else 0  # reduce-scatter input and output
+    # The update starts with zero_grad(set_to_none): the step's gradients grow in the backward as the
+    # activations shrink, so at the peak only those accumulated over earlier micro-batches exist.
+    if micro_batches > 1 and (s.keep_gathered or not sharded):
+        # FSDP2: accumulated unsharded (fp32 under casts) until the last reduce-scatter
+        grads = params * reduce_bytes + unit * c if sharded else params * w
+    else:  # reduce-scattered unit by unit: one unit's computed while one's reduced
+        grads = 2 * unit * c if sharded else shape.layer_parameters() * w
+    head = vocab * hidden * (4 * (HEAD_GRAD_FP32_COPIES if gpu and c == 2 else 1) + (c if c != 4 else 0))
+    largest = max(vocab * hidden, shape.intermediate_size * hidden) / share
+    step = largest * (STOCHASTIC_STEP_BYTES if master == "bf16_stochastic" else 0 if gpu else PLAIN_STEP_BYTES)
+
+    phases = [phase("weight sync", {"transient gathers": gather if sharded else 0}, held=whole),
+              phase("generation", {"activations": prefill * forward_only} if engine else {
+                  # transformers generate: its cache and logits live for the call only
+                  "activations": prefill * forward_only, "decode buffers": count * vocab * DECODE_LOGITS_BYTES,
+                  "KV cache": count * p.max_total_sequence_length * kv_token})]
+    optimizer_steps = g.num_prompts_per_step * g.num_generations_per_prompt // p.train_global_batch_size
+    if reference or optimizer_steps > 1:  # the reference's and pi_old's logprob passes
+        phases.append(phase("logprobs", {
+            "reference": params * c if ref_sharded else 0, "transient gathers": gather if ref_sharded else 0,
+            "activations": tokens * forward_only + outside, "logits chunk": logits}))
+    phases.append(phase("update", {"gradients": grads - base["gradients"], "transient gathers": reduce,
+                                   "activations": activations, "logits chunk": logits, "head gradient": head}))
+    phases.append(Phase("optimizer step", {**base, "optimizer temporaries": step}))  # the policy resharded
+    return phases
+
+
+def _peak(phases) -> Phase:
+    return max(phases, key=lambda ph: ph.total)
+
+
+def _options(cfg: Config, shape: ModelShape, world: int, gpu: bool, budget: int | None,
+             free: bool = False) -> dict[str, list]:
+    """Per controlled key, the values to try, preferred first. A key the user set keeps its value
+    (free: every key is open, bf16 master included, for the refusal's advice); without a budget,
+    what an unplanned worker does (fp32 master, no checkpointing, a whole reference)."""
+    p, plan = cfg.policy, budget is not None
+    auto = {key: free or getattr(p, key) in (None, "auto") for key in PICKED_KEYS}
+    tokens = [derive_sizes(cfg).micro_batch_tokens]
+    while plan and auto["train_micro_batch_tokens"] and tokens[-1] > p.max_total_sequence_length:
+        tokens.append(max(p.max_total_sequence_length, tokens[-1] // 2))
+    masters = ["fp32"]
+    if not auto["master_weights"]:
+        masters = [p.master_weights]
+    elif plan and p.dtype != "float16" and _compute_bytes(cfg, gpu, "fp32") == 2:  # stochastic rounding is bf16
+        masters = ["fp32", "bf16_stochastic", "bf16"] if free else ["fp32", "bf16_stochastic"]
+    references = [False]  # none, or a worker alone (it shards only when W > 1)
+    if cfg.loss.reference_policy_kl_penalty > 0 and world > 1:
+        if not auto["shard_reference"]:
+            references = [p.shard_reference]
+        elif plan and not free and shape.parameter_count() * _compute_bytes(cfg, gpu, "fp32") > 0.1 * budget:
+            references = [True]  # distributed.shard_reference's own rule: above 10% of the GPU's memory
+        elif plan:
+            references = [False, True]
+    checkpointing = [bool(p.activation_checkpointing)] if not auto["activation_checkpointing"] \
+        else [False, True] if plan else [False]
+    # unsharded (no FSDP2: plain bf16 at one worker) the setting changes nothing: left as it is
+    gathered = [p.keep_gathered is not False] if not auto["keep_gathered"] else [True, False] if plan else [True]
+    options = dict(zip(PICKED_KEYS, (masters, tokens, references, checkpointing, gathered)))
+    for key, values in options.items():  # free: the user's own values first, so that the fewest change
+        user = getattr(p, key)
+        if free and user in values:
+            values.sort(key=lambda value: value != user)
+    return options
+
+
+def _search(cfg, shape, world, gpu, usable, options) -> tuple[Settings, list[Phase], bool]:
+    """The first settings in order of preference that fit; else those of the smallest peak.
+    Without a budget (usable None): the first."""
+    tried = []
+    for values in product(*options.values()):
+        settings = Settings(*values)
+        phases = _phases(cfg, shape, settings, world, gpu)
+        if usable is None or _peak(phases).total <= usable:
+            return settings, phases, usable is not None
+        tried.append((settings, phases))
+    return *min(tried, key=lambda t: _peak(t[1]).total), False
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    model_name: str
+    shape: ModelShape | None
+    world: int
+    budget: int | None
+    phases: tuple[Phase, ...] = ()
+    settings: Settings | None = None
+    picks: tuple[Pick, ...] = ()
+    fits: bool | None = None  # None: no verdict (no budget, or no shape)
+    hint: str | None = None  # what would make it fit
+    notes: tuple[str, ...] = ()
+
+    @property
+    def peak(self) -> Phase | None:
+        return _peak(self.phases) if self.phases else None
+
+    def apply(self, cfg: Config) -> Config:
+        """cfg with the plan's picks set (a key the user set is never among them)."""
+        if not self.picks:
+            return cfg
+        return cfg.model_copy(update={"policy": cfg.policy.model_copy(update={p.key: p.value for p in self.picks})})
+
+    def refusal(self) -> str | None:
+        """One line when the run cannot fit: the phase, its bytes, the budget, what would fit."""
+        if self.fits is not False:
+            return None
+        return (f"memory plan: the {self.peak.name} phase needs {self.peak.total / GB:.1f} GB per GPU, more than the "
+                f"{usable_bytes(self.budget) / GB:.1f} GB usable of {self.budget / GB:.1f} GB: {self.hint}")
+
+    def lines(self) -> list[str]:
+        if self.shape is None:
+            return [f"memory plan: no figures: the shape of {self.model_name} is unknown (no config.json here or in "
+                    "the Hugging Face cache, not a known shape)"]
+        out = [f"memory plan: {self.model_name}, {self.shape.parameter_count() / 1e9:.2f}B parameters, {self.world} "
+               f"GPU{'s' if self.world > 1 else ''}; GB (1e9 bytes) per GPU", *(f"  {n}" for n in self.notes),
+               f"  {'':24s}" + "".join(f"{COLUMNS.get(ph.name, ph.name):>10s}" for ph in self.phases)]
+        for key in dict.fromkeys(key for ph in self.phases for key in ph.components):
+            values = [ph.components.get(key, 0) for ph in self.phases]
+            if max(values) >= 0.05 * GB:
+                out.append(f"  {key:24s}" + "".join(f"{v / GB:10.1f}" for v in values))
+        out.append(f"  {'total':24s}" + "".join(f"{ph.total / GB:10.1f}" for ph in self.phases))
+        if self.budget is None:
+            verdict = "no verdict: no GPU here and cluster.gpu_memory_gb is not set"
+        else:
+            verdict = (f"budget {self.budget / GB:.1f} GB, {usable_bytes(self.budget) / GB:.1f} usable after "
+                       f"{RESERVE_BYTES / GB:g} GB + {RESERVE_FRACTION:.0%} reserved: "
+                       + ("fits" if self.fits else f"does not fit; {self.hint}"))
+        out.append(f"  peak: {self.peak.name} {self.peak.total / GB:.1f} GB; {verdict}")
+        return out + [f"  picked policy.{p.key}={json.dumps(p.value)}: {p.why}" for p in self.picks]
+
+
+def plan_memory(cfg: Config, shape: ModelShape | None, budget_bytes: int | None, gpu: bool | None = None) -> MemoryPlan:
+    """cfg's plan per GPU, picking the settings the user left open. gpu: whether the workers
+    compute on GPUs (default: policy.device cuda, or auto with a budget: a GPU here or
+    cluster.gpu_memory_gb)."""
+    p, world = cfg.policy, cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+    if shape is None:
+        return MemoryPlan(p.model_name, None, world, budget_bytes)
+    if gpu is None:
+        gpu = p.device == "cuda" or (p.device == "auto" and budget_bytes is not None)
+    usable = None if budget_bytes is None else usable_bytes(budget_bytes)
+    options = _options(cfg, shape, world, gpu, budget_bytes)
+    s, phases, fits = _search(cfg, shape, world, gpu, usable, options)
+    sixteen = _compute_bytes(cfg, gpu, s.master_weights) == 2
+    micro_batches, tokens = micro_batching(cfg, world, s.train_micro_batch_tokens)
+    reference = ("none" if cfg.loss.reference_policy_kl_penalty == 0 else
+                 "sharded" if world > 1 and s.shard_reference else "whole per GPU")
+    notes = (f"{'bf16' if sixteen else 'fp32'} compute{'' if gpu else ' (CPU workers)'}, master weights "
+             f"{s.master_weights if sixteen else 'fp32'}, activation checkpointing "
+             f"{'on' if s.activation_checkpointing else 'off'}, policy "
+             f"{'kept gathered through the update' if s.keep_gathered else 'gathered one unit at a time'}, "
+             f"reference {reference}, {micro_batches} "
+             f"micro-batch{'es' if micro_batches > 1 else ''} of {tokens} tokens per optimizer step",)
+    if usable is None:
+        return MemoryPlan(p.model_name, shape, world, None, tuple(phases), s, notes=notes)
+    picks = tuple(_picks(cfg, shape, world, gpu, usable, options, s)) if fits else ()
+    hint = None if fits else _hint(cfg, shape, world, gpu, budget_bytes, s)
+    return MemoryPlan(p.model_name, shape, world, budget_bytes, tuple(phases), s, picks, fits, hint, notes)
+
+
+def _picks(cfg, shape, world, gpu, usable, options, chosen: Settings):
+    """The open keys' values, each with why."""
+    for key, tried in options.items():
+        value = getattr(chosen, key)
+        if getattr(cfg.policy, key) not in (None, "auto"):
+            continue  # the user's
+        if key == "master_weights" and len(tried) == 1 or key == "train_micro_batch_tokens" and value == tried[0]:
+            continue  # nothing to choose (fp32 compute, fp16), or the derived budget kept as it is
+        if key == "shard_reference" and (cfg.loss.reference_policy_kl_penalty == 0 or world == 1):
+            continue
+        if key == "keep_gathered" and world == 1 and (
+                chosen.master_weights == "bf16" or _compute_bytes(cfg, gpu, chosen.master_weights) == 4):
+            continue  # no FSDP2 at one worker there: nothing to gather
+        if len(tried) == 1:
+            why = "its weights exceed 10% of the GPU's memory (the default rule)"
+        elif value == tried[0]:
+            why = f"fits (peak {_peak(_phases(cfg, shape, chosen, world, gpu)).total / GB:.1f} GB)"
+        else:
+            worse = _peak(_phases(cfg, shape, replace(chosen, **{key: tried[0]}), world, gpu))
+            why = f"with {json.dumps(tried[0])} the {worse.name} needs {worse.total / GB:.1f} GB > " \
+                  f"{usable / GB:.1f} usable"
+        yield Pick(key, value, why)
+
+
+def _hint(cfg, shape, world, gpu, budget, best: Settings) -> str:
+    """What would make it fit: nothing short of tensor-parallel generation below a whole-model
+    floor; else other values of the user's settings, more GPUs, or less work per GPU."""
+    usable, c = usable_bytes(budget), _compute_bytes(cfg, gpu, best.master_weights)
+    engine = any(ph.components["rollout-engine weights"] for ph in _phases(cfg, shape, best, world, gpu))
+    floor = shape.parameter_count() * c * (2 if engine else 1)
+    if floor > usable:
+        what = "the rollout engine's whole {0} copy and the gathered policy" if engine else "the gathered {0} policy"
+        return (f"{what.format('bf16' if c == 2 else 'fp32')} alone take {floor / GB:.1f} GB per GPU at any GPU count: "
+                "needs tensor-parallel generation (policy.generation.tensor_parallel_size, not yet available)")
+    free = _options(cfg, shape, world, gpu, budget, free=True)
+
+    def fitting(masters):
+        return _search(cfg, shape, world, gpu, usable, {**free, "master_weights": masters})
+
+    s, phases, fits = fitting([m for m in free["master_weights"] if m != "bf16" or cfg.policy.master_weights == m])
+    if not fits:
+        more = next((n for n in (world * 2 ** k for k in range(1, 14)) if cfg.policy.train_global_batch_size % n == 0
+                     and _search(cfg, shape, n, gpu, usable, _options(cfg, shape, n, gpu, budget))[2]), None)
+        if more:
+            return f"it fits on {more} GPUs (cluster.num_nodes × cluster.gpus_per_node, now {world})"
+        if "bf16" in free["master_weights"] and cfg.policy.master_weights != "bf16":  # the last resort
+            s, phases, fits = fitting(["bf16"])
+    if fits:
+        changed = [key for key in PICKED_KEYS if getattr(s, key) != getattr(best, key)]
+        users = [key for key in changed if getattr(cfg.policy, key) not in (None, "auto")]  # the plan does the rest
+        changed = ", ".join(f"policy.{key}={json.dumps(getattr(s, key))}" for key in users or changed)
+        caveat = " (whose AdamW rounds small updates away)" if "bf16" == s.master_weights != best.master_weights else ""
+        return f"it fits with {changed}{caveat}, peak {_peak(phases).total / GB:.1f} GB"
+    samples = -(-cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // world)
+    return (f"shorten policy.max_total_sequence_length (now {cfg.policy.max_total_sequence_length}) or generate fewer "
+            f"samples per GPU (now {samples})")

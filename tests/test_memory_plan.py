@@ -1,0 +1,337 @@
+"""The memory plan: model shapes, per-phase bytes, the settings it picks and the runs it refuses.
+
+Expected figures are worked out here by hand from the formulas in rlscale/memory_plan.py (each
+written out below), not read back from the planner; the calibrated H200 table comes later. The
+one exception, test_update_agrees_with_recorded_h200_peaks, compares with peaks already measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from rlscale import memory_plan as mp
+from rlscale.config import load_config
+from tests.integration.helpers import SEED_OVERRIDES
+
+GB = 1e9
+H200 = 150_754_820_096  # torch.cuda.get_device_properties(0).total_memory of an H200
+# `rlscale bench step`'s GRPO step: 32 prompts × 8 samples, 256 new tokens, sequences of 1024, no validation
+BENCH = ["grpo.num_prompts_per_step=32", "grpo.num_generations_per_prompt=8", "policy.train_global_batch_size=256",
+         "policy.generation.max_new_tokens=256", "policy.max_total_sequence_length=1024", "grpo.val_at_start=false",
+         "grpo.val_at_end=false", "grpo.val_period=0", "loss.reference_policy_kl_penalty=0"]
+# the seed's job as NeMo-RL's 70B recipe runs it: sequences of 4096, on B200s (180 GB each)
+SEED_72B = [*SEED_OVERRIDES, "policy.max_total_sequence_length=4096", "policy.generation.max_new_tokens=3584",
+            "cluster.gpu_memory_gb=180"]
+
+
+def usable(budget: float) -> float:
+    return budget * 0.97 - 2e9  # the reserve: 2 GB and 3% of the device
+
+
+def qwen2_params(h, layers, heads, kv, i, vocab, tied) -> int:
+    """Qwen2 by hand: q/k/v with bias, o without; gate/up/down; two norms a layer; embedding, final
+    norm, and the LM head when untied."""
+    d = h // heads
+    layer = h * (heads * d + 2 * kv * d) + (heads * d + 2 * kv * d) + heads * d * h + 3 * h * i + 2 * h
+    return layers * layer + vocab * h * (1 if tied else 2) + h
+
+
+def plan(overrides, budget, shape=None):
+    cfg = load_config(None, overrides)
+    return cfg, mp.plan_memory(cfg, shape or mp.load_shape(cfg.policy.model_name), budget)
+
+
+def phase(plan_, name):
+    return next(ph for ph in plan_.phases if ph.name == name)
+
+
+# ---------------------------------------------------------------- shapes
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_count_matches_a_transformers_qwen2(tied):
+    config = Qwen2Config(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300, tie_word_embeddings=tied)
+    model = Qwen2ForCausalLM(config)
+    shape = mp.ModelShape.from_config(config.to_dict())
+    assert shape.parameter_count() == sum(p.numel() for p in model.parameters())
+    assert shape.parameter_count() == qwen2_params(64, 3, 4, 2, 176, 300, tied)
+
+
+def test_parameter_count_matches_llama_and_qwen3_variants():
+    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=32, vocab_size=128, attention_bias=True, mlp_bias=True)
+    model = LlamaForCausalLM(config)
+    assert mp.ModelShape.from_config(config.to_dict()).parameter_count() == sum(p.numel() for p in model.parameters())
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=24, vocab_size=128, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config)
+    assert mp.ModelShape.from_config(config.to_dict()).parameter_count() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("Qwen/Qwen2.5-0.5B-Instruct", 494_032_768), ("Qwen/Qwen2.5-1.5B", 1_543_714_304),
+    ("Qwen/Qwen2.5-3B-Instruct", 3_085_938_688), ("Qwen/Qwen2.5-7B-Instruct", 7_615_616_512),
+    ("Qwen/Qwen2.5-14B", 14_770_033_664), ("Qwen/Qwen2.5-32B-Instruct", 32_763_876_352),
+    ("Qwen/Qwen2.5-72B-Instruct", 72_706_203_648), ("Qwen/Qwen2-7B", 7_615_616_512),
+])
+def test_known_shapes_have_the_published_parameter_counts(name, expected, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # nothing cached
+    assert mp.load_shape(name).parameter_count() == expected
+
+
+def test_load_shape_reads_builtin_local_and_cached_configs(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    tiny = mp.load_shape("builtin:tiny-arith")
+    assert (tiny.hidden_size, tiny.num_hidden_layers, tiny.vocab_size, tiny.tie_word_embeddings) == (128, 4, 99, True)
+    config = {"model_type": "qwen2", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 50}
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "config.json").write_text(json.dumps(config))
+    assert mp.load_shape(str(tmp_path / "local")).intermediate_size == 64
+    # a hub id in the HF cache: models--ORG--NAME/snapshots/REV/config.json, refs/main -> REV
+    cache = tmp_path / "hub"
+    repo = cache / "models--someone--small"
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    (repo / "snapshots" / "abc" / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    assert mp.load_shape("someone/small").intermediate_size == 96
+    assert mp.load_shape("someone/not-cached") is None
+    assert mp.load_shape("builtin:no-such-model") is None
+
+
+def test_unknown_shape_gives_one_line_and_does_not_block():
+    cfg = load_config(None, ["cluster.gpu_memory_gb=80"])
+    plan_ = mp.plan_memory(cfg, None, 80 * 10**9)
+    assert len(plan_.lines()) == 1 and "no figures" in plan_.lines()[0]
+    assert plan_.refusal() is None and plan_.apply(cfg) is cfg
+
+
+# ---------------------------------------------------------------- the seed's 72B job
+
+
+def test_seed_72b_job_is_refused_naming_the_whole_model_floor():
+    cfg, plan_ = plan(SEED_72B, None)
+    assert mp.budget_bytes(cfg) == 180 * 10**9
+    cfg, plan_ = plan(SEED_72B, mp.budget_bytes(cfg))
+    p = qwen2_params(8192, 80, 64, 8, 29568, 152064, False)  # 72.7e9
+    # the rollout engine's bf16 copy and the gathered bf16 policy: 2 × 2 bytes a parameter, at any GPU count
+    floor = 2 * 2 * p
+    assert f"{floor / GB:.1f}" == "290.8"
+    line = plan_.refusal()
+    assert line == (f"memory plan: the logprobs phase needs {plan_.peak.total / GB:.1f} GB per GPU, more than the "
+                    f"{usable(180e9) / GB:.1f} GB usable of 180.0 GB: the rollout engine's whole bf16 copy and the "
+                    f"gathered policy alone take 290.8 GB per GPU at any GPU count: needs tensor-parallel generation "
+                    "(policy.generation.tensor_parallel_size, not yet available)")
+    # under the least-memory settings (the policy gathered one unit at a time) the reference's pass
+    # holds the engine copy and the gathered reference: 2 × 2 bytes, as the weight sync does
+    assert plan_.peak.total > floor and not plan_.settings.keep_gathered
+    assert not plan_.fits and plan_.picks == ()
+
+    # its weight sync, by hand, under the least-memory settings (bf16_stochastic, reference sharded)
+    sync = phase(plan_, "weight sync")
+    layer = qwen2_params(8192, 1, 64, 8, 29568, 0, True) - 8192  # one decoder layer
+    unit = max(6 * layer, 2 * 152064 * 8192 + 8192)  # 6 layers per FSDP2 unit, or the root
+    expected = (2 * p  # gathered policy, bf16
+                + (2 + 2 + 8) * p / 64  # bf16 weights, bf16 gradients, fp32 moments: sharded over 64
+                + 2 * p / 64  # the reference, sharded
+                + 2 * p  # the rollout engine's copy
+                + 8 * 4096 * 2 * 80 * 8 * 128 * 2  # KV cache: 8 slots (4 samples → bucket 8) × 4096, bf16
+                + 8 * (152064 * 16 + 3584 * 12)  # decode buffers: logits, sampling, tokens and logprobs
+                + unit * 2 * (1 + 1 / 64))  # one unit's all-gather output and input
+    assert sync.total == pytest.approx(expected, rel=1e-12)
+
+
+def test_seed_72b_job_without_the_reference_peaks_in_the_update():
+    cfg, plan_ = plan([*SEED_72B, "loss.reference_policy_kl_penalty=0"], 180 * 10**9)
+    assert [ph.name for ph in plan_.phases] == ["weight sync", "generation", "update", "optimizer step"]
+    assert plan_.refusal().startswith(f"memory plan: the {plan_.peak.name} phase needs ")
+    assert "290.8 GB per GPU at any GPU count" in plan_.refusal()
+
+
+# ---------------------------------------------------------------- picks
+
+
+def test_a_1_5b_fits_one_h200_with_fp32_master_and_no_checkpointing():
+    cfg, plan_ = plan([*BENCH, "policy.model_name=Qwen/Qwen2.5-1.5B-Instruct"], H200)
+    assert plan_.fits and {p.key: p.value for p in plan_.picks} == {
+        "master_weights": "fp32", "activation_checkpointing": False, "keep_gathered": True}
+    h, layers, heads, kv_heads, i, vocab = 1536, 28, 12, 2, 8960, 151936
+    p = qwen2_params(h, layers, heads, kv_heads, i, vocab, True)
+    layer = qwen2_params(h, 1, heads, kv_heads, i, 0, True) - h
+    unit = max(6 * layer, vocab * h + h)
+    tokens = 32 * 1024  # 256 samples, micro-batches of 32 × 1024 tokens: 8 of them
+    saved = 6 * h + 4 * h + 4 * 256 + 6 * i  # SAVED_COMPILED per token and layer (kv width 2 × 128)
+    expected_update = (
+        2 * p + 4 * p + 8 * p  # gathered bf16 policy, fp32 master weights, fp32 moments
+        + 4 * p + 2 * unit  # fp32 gradients accumulated unsharded over the micro-batches, one unit's bf16 ones
+        + 2 * p  # the engine's copy
+        + 256 * 1024 * 2 * layers * 256 * 2 + 256 * (vocab * 16 + 256 * 12)  # KV cache, decode buffers
+        + unit * 4 * 2  # the reduce-scatter's fp32 input and output (W = 1)
+        + tokens * (layers + 1) * saved + tokens * 12 * h  # saved activations, the layers outside
+        + 2048 * vocab * 4  # one compiled logits chunk
+        + vocab * h * (2 * 4 + 2))  # the head's fp32 gradient accumulators and its bf16 gradient
+    assert plan_.peak.name == "update" and plan_.peak.total == pytest.approx(expected_update, rel=1e-12)
+    assert plan_.apply(cfg).policy.master_weights == "fp32"
+    assert plan_.apply(cfg).policy.activation_checkpointing is False
+    assert plan_.apply(cfg).policy.train_micro_batch_tokens is None  # the derived budget is kept
+
+
+def test_a_3b_needs_activation_checkpointing_on_one_h200():
+    cfg, plan_ = plan([*BENCH, "policy.model_name=Qwen/Qwen2.5-3B-Instruct"], H200)
+    picks = {p.key: p for p in plan_.picks}
+    assert plan_.fits and picks["master_weights"].value == "fp32" and picks["activation_checkpointing"].value is True
+    # without checkpointing: 36 + 1 layers × 32768 tokens × SAVED_COMPILED, beside the update's fp32 master
+    # weights and moments, the gathered policy, the engine copy and the fp32 gradient accumulation
+    # (4 + 8 + 2 + 2 + 4 bytes a parameter), exceed what is usable
+    saved = 6 * 2048 + 4 * 2048 + 4 * 256 + 6 * 11008
+    assert 37 * 32768 * saved + 20 * 3_085_938_688 > usable(H200)
+    assert picks["activation_checkpointing"].why.startswith("with false the update needs ")
+    applied = plan_.apply(cfg)
+    assert applied.policy.activation_checkpointing is True and applied.policy.master_weights == "fp32"
+
+
+def test_a_3b_on_one_80gb_gpu_keeps_fp32_master_by_gathering_one_unit_at_a_time():
+    cfg, plan_ = plan([*BENCH, "policy.model_name=Qwen/Qwen2.5-3B-Instruct", "cluster.gpu_memory_gb=80"], 80 * 10**9)
+    picks = {p.key: p.value for p in plan_.picks}
+    assert plan_.fits and picks == {"master_weights": "fp32", "activation_checkpointing": True, "keep_gathered": False}
+    # kept gathered, fp32 master fits in no setting: its states, 4 + 4 + 8 bytes, the gathered bf16 policy
+    # and the engine's copy (2 + 2) and the KV cache, + the fp32 gradients accumulated unsharded (4);
+    # gathered one unit at a time, the policy's whole copy and the accumulation go (16 + 2 bytes)
+    p = 3_085_938_688
+    kv = 256 * 1024 * 2 * 36 * 256 * 2
+    assert 18 * p + kv < usable(80e9) < 20 * p + kv + 4 * p
+    assert plan_.apply(cfg).policy.keep_gathered is False
+
+
+def test_a_7b_fits_one_h200_with_stochastic_rounding_gathering_one_unit_at_a_time():
+    cfg, plan_ = plan([*BENCH, "policy.model_name=Qwen/Qwen2.5-7B-Instruct"], H200)
+    p = 7_615_616_512
+    kv = 256 * 1024 * 2 * 28 * 512 * 2
+    # by hand, at one GPU (FSDP2 of one worker), the policy kept gathered: fp32 master 4 + 4 + 8 bytes,
+    # bf16_stochastic 2 + 8 (+ its bf16 gradients, freed in the update) but an fp32 accumulation of 4
+    # over the micro-batches; both with the gathered policy and the engine copy (2 + 2) and the KV cache
+    assert (4 + 4 + 8 + 2 + 2) * p + kv > usable(H200)
+    assert (2 + 8 + 4 + 2 + 2) * p + kv > usable(H200)
+    # one unit at a time: fp32 master still 4 + 4 + 8 + 2 (engine) + KV; bf16_stochastic 2 + 2 + 8 + 2
+    assert (4 + 4 + 8 + 2) * p + kv > usable(H200) > (2 + 2 + 8 + 2) * p + kv
+    assert plan_.fits and {p.key: p.value for p in plan_.picks} == {
+        "master_weights": "bf16_stochastic", "train_micro_batch_tokens": 16384, "activation_checkpointing": True,
+        "keep_gathered": False}
+    cfg, refused = plan([*BENCH, "policy.model_name=Qwen/Qwen2.5-7B-Instruct", "cluster.gpu_memory_gb=80"], 80 * 10**9)
+    assert refused.refusal() == (f"memory plan: the {refused.peak.name} phase needs {refused.peak.total / GB:.1f} GB "
+                                 f"per GPU, more than the {usable(80e9) / GB:.1f} GB usable of 80.0 GB: it fits on 4 GPUs "
+                                 "(cluster.num_nodes × cluster.gpus_per_node, now 1)")
+    cfg, two = plan([*BENCH, "policy.model_name=Qwen/Qwen2.5-7B-Instruct", "cluster.gpus_per_node=2"], H200)
+    # on two, fp32 master fits: gathering one unit at a time is given up before the micro-batch size
+    assert two.fits and {p.key: p.value for p in two.picks} == {
+        "master_weights": "fp32", "activation_checkpointing": True, "keep_gathered": False}
+    assert two.apply(cfg).policy.train_micro_batch_tokens is None
+
+
+def test_the_reference_follows_the_10_percent_rule_or_is_sharded_when_a_whole_copy_does_not_fit():
+    # 7B on 2 H200s with the KL penalty: its bf16 weights, 15.23 GB, exceed 10% of 150.75 GB
+    assert 2 * 7_615_616_512 > 0.1 * H200
+    _, plan_ = plan([*BENCH, "policy.model_name=Qwen/Qwen2.5-7B", "cluster.gpus_per_node=2",
+                     "loss.reference_policy_kl_penalty=0.01"], H200)
+    pick = next(p for p in plan_.picks if p.key == "shard_reference")
+    assert pick.value is True and "10%" in pick.why
+    # 1.5B on 4 GPUs of 32 GB, the policy kept gathered: 3.1 GB is below 10%, but a whole copy does not fit
+    _, plan_ = plan([*BENCH, "policy.model_name=Qwen/Qwen2.5-1.5B", "cluster.gpus_per_node=4",
+                     "loss.reference_policy_kl_penalty=0.01", "policy.keep_gathered=true"], 32 * 10**9)
+    pick = next(p for p in plan_.picks if p.key == "shard_reference")
+    assert pick.value is True and pick.why.startswith("with false the update needs ")
+    whole = mp.plan_memory(load_config(None, [*BENCH, "policy.model_name=Qwen/Qwen2.5-1.5B", "cluster.gpus_per_node=4",
+                                             "loss.reference_policy_kl_penalty=0.01", "policy.shard_reference=false"]),
+                           mp.load_shape("Qwen/Qwen2.5-1.5B"), 32 * 10**9)
+    assert not any(p.key == "shard_reference" for p in whole.picks)
+
+
+def test_user_settings_are_never_overridden():
+    fixed = ["policy.master_weights=bf16", "policy.activation_checkpointing=false"]
+    cfg, plan_ = plan([*BENCH, "policy.model_name=Qwen/Qwen2.5-7B", *fixed], H200)
+    # the plan may only shrink the micro-batches: bf16 weights, gradients and moments (2 + 2 + 4) unsharded
+    assert plan_.fits and [p.key for p in plan_.picks] == ["train_micro_batch_tokens"]
+    applied = plan_.apply(cfg)
+    assert applied.policy.master_weights == "bf16" and applied.policy.activation_checkpointing is False
+    assert applied.policy.train_micro_batch_tokens == plan_.picks[0].value < 32768
+    everything = [*fixed, "policy.train_micro_batch_tokens=32768"]
+    cfg, plan_ = plan([*BENCH, "policy.model_name=Qwen/Qwen2.5-7B", *everything], H200)
+    assert plan_.picks == () and plan_.apply(cfg) is cfg and not plan_.fits
+    assert plan_.hint.startswith("it fits with policy.activation_checkpointing=true, peak ")
+    assert plan_.refusal().endswith(plan_.hint)
+    assert "policy.master_weights" not in plan_.refusal()  # bf16 is the user's; the fit keeps it
+
+
+def test_without_a_budget_figures_and_no_verdict():
+    cfg = load_config(None, ["policy.device=cpu"])
+    assert mp.budget_bytes(cfg) is None
+    plan_ = mp.plan_memory(cfg, mp.load_shape(cfg.policy.model_name), None)
+    assert plan_.fits is None and plan_.picks == () and plan_.refusal() is None and plan_.apply(cfg) is cfg
+    lines = plan_.lines()
+    assert lines[-1].endswith("no verdict: no GPU here and cluster.gpu_memory_gb is not set")
+    assert "fp32 compute (CPU workers)" in lines[1]
+    # the tiny model's KV cache on the CPU: 256 slots (no CUDA graphs) × 256 positions × 2 × 4 layers × 128, fp32
+    assert phase(plan_, "generation").components["KV cache"] == 256 * 256 * 2 * 4 * 128 * 4
+
+
+def test_lines_are_a_table_of_phases_and_components():
+    _, plan_ = plan([*BENCH, "policy.model_name=Qwen/Qwen2.5-3B-Instruct"], H200)
+    lines = plan_.lines()
+    assert lines[0] == "memory plan: Qwen/Qwen2.5-3B-Instruct, 3.09B parameters, 1 GPU; GB (1e9 bytes) per GPU"
+    assert lines[2].split() == ["sync", "generate", "update", "optimizer"]
+    row = next(line for line in lines if line.strip().startswith("moments"))
+    assert row.split()[1:] == [f"{8 * 3_085_938_688 / GB:.1f}"] * 4  # fp32 moments in every phase
+    assert any(line.startswith("  picked policy.activation_checkpointing=true: ") for line in lines)
+    assert any(f"budget 150.8 GB, {usable(H200) / GB:.1f} usable after 2 GB + 3% reserved: fits" in line
+               for line in lines)
+
+
+# ---------------------------------------------------------------- against what was measured
+
+
+# `rlscale bench train` on one H200 (bench/results/train_2026-11-30_h200_qwen2-*.json): the worker's
+# update alone, bf16 weights and moments (today's bf16 master), no rollout engine, no reference;
+# torch.cuda.max_memory_allocated. (model, samples × 320 tokens, micro-batch tokens, compiled, GB)
+RECORDED = [("0.5B", 16, 20480, False, 15.448), ("0.5B", 128, 20480, False, 38.887),
+            ("0.5B", 16, 20480, True, 12.112), ("0.5B", 128, 20480, True, 29.418),
+            ("0.5B", 256, 16384, True, 21.061), ("1.5B", 128, 16384, True, 46.036)]
+
+
+@pytest.mark.parametrize("size, samples, micro, compiled, measured", RECORDED)
+def test_update_agrees_with_recorded_h200_peaks(size, samples, micro, compiled, measured):
+    _, plan_ = plan([f"policy.model_name=Qwen/Qwen2.5-{size}", "loss.reference_policy_kl_penalty=0",
+                     "policy.max_total_sequence_length=320", "policy.generation.max_new_tokens=160",
+                     f"policy.train_micro_batch_tokens={micro}", f"policy.train_global_batch_size={samples}",
+                     f"grpo.num_prompts_per_step={samples}", "grpo.num_generations_per_prompt=2",
+                     "policy.master_weights=bf16", "policy.activation_checkpointing=false",
+                     f"policy.compile={str(compiled).lower()}"], H200)
+    engine = ("rollout-engine weights", "KV cache", "decode buffers")
+    update = sum(v for k, v in phase(plan_, "update").components.items() if k not in engine)
+    assert update / GB == pytest.approx(measured, rel=0.15)
+
+
+def test_the_module_imports_without_torch():
+    code = "import sys, rlscale.memory_plan; assert 'torch' not in sys.modules, 'torch imported'"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
+
+
+def test_budget_bytes_takes_gpu_memory_gb():
+    assert mp.budget_bytes(load_config(None, ["cluster.gpu_memory_gb=141"])) == 141 * 10**9
+    if not torch.cuda.is_available():
+        assert mp.budget_bytes(load_config(None, [])) is None
+    assert math.isclose(mp.usable_bytes(H200), usable(H200))
