@@ -38,7 +38,8 @@ def train(
 ) -> None:
     """Run GRPO (the built-in tiny arithmetic job when given no arguments).
 
-    Exit codes: 0 done; 2 a problem to fix (one line on stderr).
+    Exit codes: 0 done; 2 a problem to fix (one line on stderr; out of memory too, its traceback
+    then in <logger.log_dir>/error.log).
 
     143 (SIGTERM) or 130 (SIGINT): stopped after saving what fit in checkpointing.preemption_grace_s.
 
@@ -47,12 +48,9 @@ def train(
     from rlscale.config import config_notes, load_config
     from rlscale.telemetry import print_note
 
-    from rlscale.workers.precision import vanishing_update_warning
-
     cfg = load_config(config, overrides or [])
-    for note in [*config_notes(cfg), vanishing_update_warning(cfg.policy)]:
-        if note:
-            print_note(note)
+    for note in config_notes(cfg):
+        print_note(note)
     if dry_run:
         from rlscale.data.presets import find_preset
 
@@ -458,7 +456,7 @@ def main() -> None:
         if exc.format_message():  # empty after no_args_is_help has printed the help
             typer.echo(f"rlscale: error: {exc.format_message()}", err=True)
         sys.exit(getattr(exc, "exit_code", 2))
-    except UserError as exc:
+    except UserError as exc:  # OutOfMemory too (rlscale.errors): the phase, figures, what to change
         typer.echo(f"rlscale: error: {exc}", err=True)
         sys.exit(2)
     except RunStopped as exc:  # SIGTERM/SIGINT or the deadline, after saving: see rlscale/preemption.py
@@ -467,6 +465,13 @@ def main() -> None:
     except KeyboardInterrupt:
         typer.echo("rlscale: interrupted", err=True)
         sys.exit(130)
+    except (RuntimeError, MemoryError) as exc:  # out of memory outside `train` (eval, sft, bench): one line
+        from rlscale.errors import is_out_of_memory, out_of_memory
+
+        if not is_out_of_memory(exc) or os.environ.get("RLSCALE_TRACEBACK"):
+            raise
+        typer.echo(f"rlscale: error: {out_of_memory(exc)} (RLSCALE_TRACEBACK=1 shows where)", err=True)
+        sys.exit(2)
     except OSError as exc:  # the file system or network refused (disk full, a name too long, ...)
         if os.environ.get("RLSCALE_TRACEBACK"):
             raise

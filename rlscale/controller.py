@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from contextlib import ExitStack
+import traceback
+from contextlib import ExitStack, contextmanager
+from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from rlscale.ckpt.layout import read_manifest
 from rlscale.ckpt.resume import ResumeChoice, choose as choose_resume, set_aside_newer
 from rlscale.config import Config, derive_sizes, flat_dict
 from rlscale.data import PromptLoader, build_datasets
-from rlscale.errors import UserError
+from rlscale.errors import OOM_PHASES, OutOfMemory, UserError, advice_for, is_out_of_memory, out_of_memory
 from rlscale.fsutil import ensure_writable_dir, write_atomic
 from rlscale.evaluate import EvalResult, evaluate, is_correct
 from rlscale.grpo import carries_gradient, group_advantages
@@ -268,8 +270,97 @@ def _already_finished(cfg: Config, choice: ResumeChoice, finished: dict) -> dict
     return finished
 
 
-def train(cfg: Config) -> dict:
-    """Run (or resume) a GRPO training run; returns the summary written to summary.json."""
+ERROR_LOG = "error.log"
+
+
+# an out-of-memory error's phase -> the memory plan's phases it spans (rlscale.memory_plan's names)
+_PLAN_PHASES = {"generation": ("generation",), "validation": ("generation",), "weight sync/gather": ("weight sync",),
+                "reference logprobs": ("logprobs",), "update": ("update", "optimizer step")}
+
+
+def planned_figures(plan) -> dict[str, int]:
+    """A memory plan's per-GPU bytes by phase, keyed by the phase names an out-of-memory error
+    reports (rlscale.errors.OOM_PHASES): what `train(cfg, planned=...)` takes. From
+    plan.phase_bytes(phase) where the plan has it, else from its phases (name, total), the
+    largest of those a phase spans (the update: its backward and its optimizer step)."""
+    if plan is None:
+        return {}
+    if hasattr(plan, "phase_bytes"):
+        figures = {phase: plan.phase_bytes(phase) for phase in OOM_PHASES}
+    else:
+        totals = {ph.name: ph.total for ph in getattr(plan, "phases", ())}
+        figures = {phase: max((totals[n] for n in names if n in totals), default=None)
+                   for phase, names in _PLAN_PHASES.items()}
+    return {phase: int(size) for phase, size in figures.items() if size is not None}
+
+
+@dataclass
+class RunPosition:
+    """Where a run is, for an error that ends it: the step under way (or last finished)."""
+
+    step: int | None = None
+
+
+def train(cfg: Config, planned: dict[str, int] | None = None) -> dict:
+    """Run (or resume) a GRPO training run; returns the summary written to summary.json.
+
+    planned: the memory plan's bytes per phase (see planned_figures), quoted when the run runs out
+    of memory. Running out of memory anywhere (a worker, this process) ends the run, after the
+    same cleanup as any error (a save in flight commits or is left as tmp_step_N/), with an
+    rlscale.errors.OutOfMemory: one line naming the phase, the step, the figures and what to
+    change; the tracebacks go to <logger.log_dir>/error.log."""
+    position = RunPosition()
+    try:
+        return _train(cfg, position)
+    except OutOfMemory as exc:
+        _finish_out_of_memory(exc, cfg, planned, position)
+        raise
+    except (RuntimeError, MemoryError) as exc:  # in this process, outside any worker call
+        if not is_out_of_memory(exc):
+            raise
+        converted = out_of_memory(exc)  # its traceback as text: the original's frames may go
+    raise _finish_out_of_memory(converted, cfg, planned, position)
+
+
+def _finish_out_of_memory(exc: OutOfMemory, cfg: Config, planned: dict[str, int] | None,
+                          position: RunPosition) -> OutOfMemory:
+    """The step, the plan's figure and the advice for the phase; the tracebacks logged."""
+    if exc.step is None:
+        exc.step = position.step
+    exc.planned = (planned or {}).get(exc.phase)
+    exc.advice = advice_for(exc.phase, cfg, host=exc.host)
+    exc.log_path = write_error_log(Path(cfg.logger.log_dir), exc)
+    return exc
+
+
+def write_error_log(run_dir: Path, exc: BaseException) -> str | None:
+    """Append the time, the error's line and its tracebacks (where it happened, in a worker too,
+    and in the controller) to <run_dir>/error.log; returns the path, None if it cannot be written
+    (the line is printed all the same)."""
+    path = Path(run_dir) / ERROR_LOG
+    previous, exc.log_path = getattr(exc, "log_path", None), str(path)  # the line names the log
+    stamp = datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
+    parts = [f"===== {stamp} pid {os.getpid()}\n", f"rlscale: error: {exc}\n"]
+    if isinstance(exc, OutOfMemory):
+        parts.append(f"bytes allocated {exc.allocated}, peak {exc.peak}, total {exc.total} on {exc.device}; "
+                     f"planned {exc.planned}; the error: {exc.message}\n")
+    remote = getattr(exc, "traceback_text", "")
+    if remote:
+        rank = getattr(exc, "rank", None)
+        where = f" (worker rank {rank})" if rank is not None else ""
+        parts.append(f"where the memory ran out{where}:\n{remote.rstrip()}\n")
+    parts.append("in the controller:\n" + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write("".join(parts) + "\n")
+    except OSError:
+        exc.log_path = previous
+        return None
+    return str(path)
+
+
+def _train(cfg: Config, position: RunPosition) -> dict:
     started = time.perf_counter()
     # which checkpoint to resume from (only reads): a wrong checkpointing.resume fails here
     choice = choose_resume(cfg.checkpoint_dir, cfg.checkpointing.resume, cfg.checkpointing.verify_checksums) \
@@ -322,7 +413,7 @@ def train(cfg: Config) -> dict:
         # SIGTERM/SIGINT, or a worker pod's stop request: save, then RunStopped
         signals = cleanup.enter_context(StopSignals(requests))
         run = Run(cfg, group, scorer, checkpointer, sinks, loader, datasets.val, state,
-                  signals, Deadline(cfg.checkpointing.must_save_by_s(), started))
+                  signals, Deadline(cfg.checkpointing.must_save_by_s(), started), position)
         with ProgressDisplay(cfg.grpo.max_num_steps, state.step, cfg.logger.progress) as progress:
             for note in notes + sinks.notes():
                 progress.print(note)
@@ -346,7 +437,8 @@ class Run:
     """One invocation of the loop: the parts it drives and the state it advances."""
 
     def __init__(self, cfg, group, scorer, checkpointer, sinks, loader, val_problems, state: TrainerState,
-                 signals: StopSignals | None = None, deadline: Deadline | None = None):
+                 signals: StopSignals | None = None, deadline: Deadline | None = None,
+                 position: RunPosition | None = None):
         self.cfg, self.group, self.scorer, self.checkpointer = cfg, group, scorer, checkpointer
         self.sinks, self.loader, self.val_problems, self.state = sinks, loader, val_problems, state
         self.signals = signals or StopSignals()  # not entered: never requested
@@ -359,6 +451,8 @@ class Run:
         self.step_estimate_s: float | None = None  # the longest step of this invocation
         self.save_estimate_s: float | None = None  # the longest save, snapshot start to commit
         self.noted: set[str] = set()  # what print_once has said
+        self.position = position or RunPosition()  # the step under way, for an error's line
+        self.position.step = state.step
 
     def loop(self, progress: ProgressDisplay, resumed_from: str | None) -> dict | None:
         """The GRPO loop, top to bottom. Returns the held-out metrics after training."""
@@ -380,7 +474,7 @@ class Run:
         while state.step < cfg.grpo.max_num_steps:
             if self.signals.requested or self.deadline.due(self.step_estimate_s, self.save_estimate_s):
                 self.stop()  # a safe point between steps; raises RunStopped
-            step = state.step + 1
+            step = self.position.step = state.step + 1
             step_started = time.perf_counter()
             with timer.section("generate"):
                 problems = self.loader.next_batch(P)
@@ -447,7 +541,8 @@ class Run:
             progress.print(line)
 
     def validate(self) -> dict[str, float]:
-        return validate(self.cfg, self.group, self.val_problems, self.scorer).metrics("val")
+        with _relabel_out_of_memory("generation", "validation"):  # the workers see a generation
+            return validate(self.cfg, self.group, self.val_problems, self.scorer).metrics("val")
 
     def validation_of_this_step(self) -> dict[str, float]:
         """The held-out metrics if they were measured at the current step, else none: a
@@ -505,6 +600,16 @@ class Run:
                  else "run it again with checkpointing.resume=auto to resume")
         raise RunStopped(f"stopped by {why} after step {state.step}: {kept}{skipped}; {again}",
                          code)  # the CLI prints it as its last line
+
+
+@contextmanager
+def _relabel_out_of_memory(phase: str, instead: str):
+    try:
+        yield
+    except OutOfMemory as exc:
+        if exc.phase == phase:
+            exc.phase = instead
+        raise
 
 
 def _strip(val_metrics: dict | None) -> dict | None:

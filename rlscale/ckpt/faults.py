@@ -4,6 +4,9 @@
     RLSCALE_FAULT=loop.after_step:3:SIGTERM        send itself SIGTERM instead (a preemption)
     RLSCALE_FAULT=loop.after_step:3:PRESTOP        run a worker pod's preStop hook (its stop request
                                                    in RLSCALE_STOP_REQUESTS), as a pod being stopped
+    RLSCALE_FAULT=worker.train:3:OOM               raise torch.OutOfMemoryError in the policy worker
+                                                   as its 3rd `train` call starts (MEMORY: the host's
+                                                   MemoryError); in each worker's own process
 
 Without the variable (always, outside tests) `maybe_fault` is a dictionary lookup. The points, in
 the order a save passes them (see checkpointer.py and engine.py):
@@ -17,7 +20,10 @@ the order a save passes them (see checkpointer.py and engine.py):
     commit.after_fsync     the commit is durable; retention not yet run
     retention.renamed_aside a step retention drops has been renamed aside, not yet deleted
 
-and in the training loop: loop.after_generate, loop.after_step.
+and in the training loop: loop.after_generate, loop.after_step; in the policy workers, as a
+method the controller calls starts (rlscale.workers.group.call_worker): worker.METHOD, e.g.
+worker.generate, worker.train, worker.checkpoint_snapshot. A worker counts its own passages: with
+validation at the start, worker.generate:2 is step 1's rollout.
 """
 
 from __future__ import annotations
@@ -57,8 +63,8 @@ def _worker_pre_stop() -> None:
 
 
 def maybe_fault(point: str) -> None:
-    """Signal this process (or run a pod's preStop hook) when RLSCALE_FAULT names `point` and this
-    is its nth passage."""
+    """Signal this process (or run a pod's preStop hook, or raise an out-of-memory error) when
+    RLSCALE_FAULT names `point` and this is its nth passage."""
     spec = os.environ.get(ENV)
     if not spec or not spec.startswith(point + ":") and spec != point:
         return
@@ -68,5 +74,11 @@ def maybe_fault(point: str) -> None:
         hit = _hits[name] == nth
     if hit and action == "PRESTOP":
         _worker_pre_stop()
+    elif hit and action == "OOM":
+        import torch
+
+        raise torch.OutOfMemoryError(f"injected out of memory at {name} (RLSCALE_FAULT={spec})")
+    elif hit and action == "MEMORY":
+        raise MemoryError(f"injected host out of memory at {name} (RLSCALE_FAULT={spec})")
     elif hit:
         os.kill(os.getpid(), getattr(signal, action))

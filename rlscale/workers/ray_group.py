@@ -12,8 +12,9 @@ import os
 import time
 from typing import Any
 
+from rlscale.ckpt.faults import ENV as FAULT_ENV
 from rlscale.config import Config
-from rlscale.errors import UserError
+from rlscale.errors import OutOfMemory, UserError, is_out_of_memory, out_of_memory
 
 
 def _rendezvous_impl() -> tuple[str, int]:
@@ -79,6 +80,7 @@ class RayWorkerGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from rlscale.workers.group import memory_guarded
         from rlscale.workers.policy import PolicyWorker
 
         connect(cfg)
@@ -93,7 +95,9 @@ class RayWorkerGroup:
             raise UserError(
                 f"cluster: {self.world_size} workers of {bundle} could not be placed within "
                 f"{cfg.cluster.placement_timeout_s:.0f}s; the cluster has {ray.cluster_resources()}")
-        actor_cls = ray.remote(PolicyWorker)  # Ray is a transport: the worker stays a plain class
+        # Ray is a transport: the worker stays a plain class, whose out-of-memory errors become
+        # rlscale.errors.OutOfMemory in the actor's process (its device's figures)
+        actor_cls = ray.remote(memory_guarded(PolicyWorker))
 
         def in_bundle(rank: int):
             return PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank)
@@ -104,7 +108,9 @@ class RayWorkerGroup:
         address, port = ray.get(rendezvous.remote())
         env = {"MASTER_ADDR": address, "MASTER_PORT": str(port), "WORLD_SIZE": str(self.world_size),
                # developer profiling (telemetry/torch_profile.py) reaches workers on any node
-               **{k: v for k, v in os.environ.items() if k.startswith("RLSCALE_PROFILE_")}}
+               **{k: v for k, v in os.environ.items() if k.startswith("RLSCALE_PROFILE_")},
+               # fault injection in the workers (tests; rlscale/ckpt/faults.py)
+               **{k: v for k, v in os.environ.items() if k == FAULT_ENV}}
         if use_gpus:  # every GPU stays visible to every worker: NCCL's P2P/NVLink paths need it
             env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
         self.actors = [
@@ -116,9 +122,9 @@ class RayWorkerGroup:
             for rank in range(self.world_size)
         ]
         self.call_timeout_s = call_timeout_s
-        self.facts = self._get([actor.ready.remote() for actor in self.actors])
+        self.facts = self._get([actor.ready.remote() for actor in self.actors], "ready")
 
-    def _get(self, refs: list) -> list[Any]:
+    def _get(self, refs: list, method: str | None = None) -> list[Any]:
         """ray.get, but a failed worker fails the call at once with its rank and cause."""
         ray = _ray()
         pending = list(refs)
@@ -126,14 +132,15 @@ class RayWorkerGroup:
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
             for ref in done:
-                failure = _failure(ray, ref, refs.index(ref))
+                failure = _failure(ray, ref, refs.index(ref), method)
                 if failure is None:
                     continue
                 if pending and not isinstance(failure, WorkerDied):
                     # A dead rank's peers fail in their collectives too, sometimes before Ray
                     # reports the death: name the rank that died, not a bystander.
                     late, _ = ray.wait(pending, num_returns=len(pending), timeout=5.0)
-                    deaths = [f for f in (_failure(ray, r, refs.index(r)) for r in late) if isinstance(f, WorkerDied)]
+                    deaths = [f for f in (_failure(ray, r, refs.index(r), method) for r in late)
+                              if isinstance(f, WorkerDied)]
                     failure = deaths[0] if deaths else failure
                 raise failure
             if self.call_timeout_s and time.monotonic() - started > self.call_timeout_s:
@@ -144,10 +151,11 @@ class RayWorkerGroup:
         args = per_worker_args or [()] * self.world_size
         if len(args) != self.world_size:
             raise ValueError(f"{method}: {len(args)} argument sets for {self.world_size} workers")
-        return self._get([getattr(actor, method).remote(*a, **kwargs) for actor, a in zip(self.actors, args)])
+        return self._get([getattr(actor, method).remote(*a, **kwargs) for actor, a in zip(self.actors, args)],
+                         method)
 
     def run_rank0(self, method: str, *args, **kwargs) -> Any:
-        return self._get([getattr(self.actors[0], method).remote(*args, **kwargs)])[0]
+        return self._get([getattr(self.actors[0], method).remote(*args, **kwargs)], method)[0]
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Ask every worker to exit, then force-kill those still there (hung in a collective after a
@@ -162,7 +170,7 @@ class RayWorkerGroup:
         ray.util.remove_placement_group(self._pg)
 
 
-def _failure(ray, ref, rank: int) -> Exception | None:
+def _failure(ray, ref, rank: int, method: str | None = None) -> Exception | None:
     """The error a finished call ended with, as the one-line error the user will see; None if it succeeded."""
     from ray.exceptions import RayActorError, RayTaskError
 
@@ -172,9 +180,31 @@ def _failure(ray, ref, rank: int) -> Exception | None:
         return WorkerDied(f"worker rank {rank} died: {_cause(exc)}")
     except RayTaskError as exc:
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        oom = out_of_memory_cause(cause, rank, getattr(exc, "traceback_str", ""), method)
+        if oom is not None:
+            return oom
         if isinstance(cause, UserError):
             return UserError(str(cause))
         return WorkerFailure(f"worker rank {rank} failed: {_cause(cause)}")
+    return None
+
+
+def out_of_memory_cause(cause: BaseException, rank: int, remote_traceback: str = "",
+                        method: str | None = None) -> OutOfMemory | None:
+    """The OutOfMemory a worker's call failed with (a RayTaskError's cause, or the task error
+    itself when Ray made it a RayTaskError(OutOfMemory)), as the worker made it; an out-of-memory
+    error that reached Ray unconverted becomes one here, named by rank, with the figures its
+    message gives. None: the call failed otherwise."""
+    from ray.exceptions import RayTaskError
+
+    if isinstance(cause, RayTaskError) and getattr(cause, "cause", None) is not None:
+        cause = cause.cause
+    if isinstance(cause, OutOfMemory):  # the worker names its rank when it has peers
+        return OutOfMemory(**cause.fields())  # a plain one (not Ray's dual class), same fields
+    if is_out_of_memory(cause):
+        found = out_of_memory(cause, method, rank=rank, here=False)
+        found.traceback_text = remote_traceback or found.traceback_text
+        return found
     return None
 
 
