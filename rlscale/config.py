@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -403,10 +405,38 @@ RANKABLE_METRICS = (
 )
 
 
+# With weights ~N(0, 0.02) and AdamW's per-step update of about lr, the share of bf16 weights that a
+# step changes (bf16_update_kept_fraction; tests/workers/test_precision.py records it): lr 3e-4:
+# 100%, 1e-4: 88%, 5e-5: 57%, 3e-5: 30%, 1e-5: 16%, 1e-6: 2.0%, 3e-7: 0.5%.
+BF16_VANISHING_LR = 5e-5  # below it, half or more of the updates are rounded away
+
+
+def _bf16(value: float) -> int:
+    """The bf16 value nearest a float (ties to even), as its 16 bits (torch-free, for a start-up note)."""
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+
+
+def bf16_update_kept_fraction(lr: float, std: float = 0.02, samples: int = 20_000, seed: int = 0) -> float:
+    """The share of bf16 weights ~N(0, std) that change when lr is subtracted (AdamW's update size)."""
+    rng = random.Random(seed)
+    kept = 0
+    for _ in range(samples):
+        weight = _bf16(rng.gauss(0.0, std))
+        as_float = struct.unpack("<f", struct.pack("<I", weight << 16))[0]
+        kept += _bf16(as_float - lr) != weight
+    return kept / samples
+
+
 def config_notes(cfg: Config) -> list[str]:
     """Settings that are valid but probably not what was meant, as lines for the user."""
     ckpt, grpo = cfg.checkpointing, cfg.grpo
     notes = []
+    lr = cfg.policy.optimizer.lr
+    if cfg.policy.master_weights == "bf16" and lr < BF16_VANISHING_LR:
+        notes.append(f"warning: policy.master_weights=bf16 at policy.optimizer.lr={lr:g}: an AdamW step changes only "
+                     f"~{bf16_update_kept_fraction(lr):.0%} of bf16 weights of scale 0.02 (the rest round away); use "
+                     "master_weights=fp32 or bf16_stochastic (auto, the default, picks one of them)")
     if ckpt.enabled and ckpt.metric_name and ckpt.metric_name not in RANKABLE_METRICS:
         notes.append(f"note: checkpointing.metric_name={ckpt.metric_name} is not a metric a checkpoint records, so "
                      f"checkpoints are kept by recency; it can be one of {', '.join(RANKABLE_METRICS)}")

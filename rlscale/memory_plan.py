@@ -67,6 +67,7 @@ ENGINE_PREFILL_TOKENS = 16384  # RolloutEngine's prefill_tokens: prompt rows × 
 EVAL_CHUNK = 256  # rlscale.evaluate generates the held-out prompts 256 at a time
 ENGINE_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # rlscale.rollout.weights.SUPPORTED_MODEL_TYPES
 COLUMNS = {"weight sync": "sync", "generation": "generate", "optimizer step": "optimizer"}  # table headings
+MICRO_BATCH_HALVINGS = 2  # the plan shrinks policy.train_micro_batch_tokens to a quarter at most
 PICKED_KEYS = ("master_weights", "train_micro_batch_tokens", "shard_reference", "activation_checkpointing",
                "keep_gathered")
 
@@ -273,7 +274,8 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool) 
     reference = cfg.loss.reference_policy_kl_penalty > 0
     ref_sharded = reference and world > 1 and s.shard_reference
     base = {"training weights": 0 if sharded else params * w, "master weights": params * w / share if sharded else 0,
-            "gradients": params * w / share, "moments": params * moments / share,
+            # gradients are freed after each optimizer step (their memory is the generation's)
+            "gradients": 0, "moments": params * moments / share,
             "reference": params * c / (world if ref_sharded else 1) if reference else 0,
             "rollout-engine weights": params * c if engine else 0,
             "KV cache": slots * length * kv_token if engine else 0,
@@ -298,15 +300,18 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool) 
         activations = tokens * (layers * CHECKPOINT_BYTES_PER_HIDDEN * hidden * scale + 2 * saved) + outside
     else:  # every layer's saved tensors, one layer's backward temporaries
         activations = tokens * (layers + 1) * saved + outside
-    reduce_bytes = 4 if casts else c
+    # fp32 gradient reduction (rlscale.workers.precision.Precision.fsdp_policy): for fp32 master
+    # weights, and for stochastic rounding over several workers
+    reduce_bytes = 4 if casts and (master == "fp32" or world > 1) else c
     reduce = unit * reduce_bytes * (1 + 1 / world) if sharded else 0  # reduce-scatter input and output
     # The update starts with zero_grad(set_to_none): the step's gradients grow in the backward as the
     # activations shrink, so at the peak only those accumulated over earlier micro-batches exist.
     if micro_batches > 1 and (s.keep_gathered or not sharded):
         # FSDP2: accumulated unsharded (fp32 under casts) until the last reduce-scatter
         grads = params * reduce_bytes + unit * c if sharded else params * w
-    else:  # reduce-scattered unit by unit: one unit's computed while one's reduced
-        grads = 2 * unit * c if sharded else shape.layer_parameters() * w
+    else:  # reduce-scattered unit by unit (into the sharded gradients of earlier micro-batches)
+        earlier = params * w / share if micro_batches > 1 else 0
+        grads = earlier + 2 * unit * c if sharded else shape.layer_parameters() * w
     head = vocab * hidden * (4 * (HEAD_GRAD_FP32_COPIES if gpu and c == 2 else 1) + (c if c != 4 else 0))
     largest = max(vocab * hidden, shape.intermediate_size * hidden) / share
     step = largest * (STOCHASTIC_STEP_BYTES if master == "bf16_stochastic" else 0 if gpu else PLAIN_STEP_BYTES)
@@ -321,9 +326,10 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool) 
         phases.append(phase("logprobs", {
             "reference": params * c if ref_sharded else 0, "transient gathers": gather if ref_sharded else 0,
             "activations": tokens * forward_only + outside, "logits chunk": logits}))
-    phases.append(phase("update", {"gradients": grads - base["gradients"], "transient gathers": reduce,
+    phases.append(phase("update", {"gradients": grads, "transient gathers": reduce,
                                    "activations": activations, "logits chunk": logits, "head gradient": head}))
-    phases.append(Phase("optimizer step", {**base, "optimizer temporaries": step}))  # the policy resharded
+    phases.append(Phase("optimizer step", {**base, "gradients": params * w / share,  # the policy resharded
+                                           "optimizer temporaries": step}))
     return phases
 
 
@@ -339,7 +345,10 @@ def _options(cfg: Config, shape: ModelShape, world: int, gpu: bool, budget: int 
     p, plan = cfg.policy, budget is not None
     auto = {key: free or getattr(p, key) in (None, "auto") for key in PICKED_KEYS}
     tokens = [derive_sizes(cfg).micro_batch_tokens]
-    while plan and auto["train_micro_batch_tokens"] and tokens[-1] > p.max_total_sequence_length:
+    # halved at most twice: micro-batches a quarter of the size already cost GPU efficiency, and a
+    # quarter is where giving up fp32 master weights (the next option) becomes the better trade
+    while plan and auto["train_micro_batch_tokens"] and tokens[-1] > p.max_total_sequence_length \
+            and len(tokens) < MICRO_BATCH_HALVINGS + 1:
         tokens.append(max(p.max_total_sequence_length, tokens[-1] // 2))
     masters = ["fp32"]
     if not auto["master_weights"]:
@@ -516,3 +525,29 @@ def _hint(cfg, shape, world, gpu, budget, best: Settings) -> str:
     samples = -(-cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // world)
     return (f"shorten policy.max_total_sequence_length (now {cfg.policy.max_total_sequence_length}) or generate fewer "
             f"samples per GPU (now {samples})")
+
+
+def plan_for(cfg: Config) -> MemoryPlan:
+    """The plan of cfg's run on this machine's GPU (or cluster.gpu_memory_gb)."""
+    return plan_memory(cfg, load_shape(cfg.policy.model_name), budget_bytes(cfg))
+
+
+def resolve(cfg: Config) -> tuple[Config, MemoryPlan]:
+    """cfg with the plan's picks, and the plan; a UserError (one line) when the run cannot fit."""
+    from rlscale.errors import UserError
+
+    plan = plan_for(cfg)
+    refusal = plan.refusal()
+    if refusal:
+        raise UserError(refusal)
+    return plan.apply(cfg), plan
+
+
+def summary_line(plan: MemoryPlan) -> str:
+    """One line for a run's start: the peak, the verdict and what was picked."""
+    if plan.peak is None:
+        return plan.lines()[0]
+    verdict = ("no verdict (no GPU here, cluster.gpu_memory_gb not set)" if plan.budget is None
+               else f"fits {usable_bytes(plan.budget) / GB:.1f} GB usable")
+    picked = "; picked " + ", ".join(f"policy.{p.key}={json.dumps(p.value)}" for p in plan.picks) if plan.picks else ""
+    return f"memory plan: peak {plan.peak.total / GB:.1f} GB per GPU ({plan.peak.name}), {verdict}{picked}"

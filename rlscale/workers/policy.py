@@ -97,7 +97,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self.keep_gathered = policy.keep_gathered is not False
         self.reference_sharded = False
         if self.sharded:
-            distributed.shard_model(self.model, policy.fsdp_layers_per_unit, self.precision.fsdp_policy())
+            distributed.shard_model(self.model, policy.fsdp_layers_per_unit, self.precision.fsdp_policy(world_size))
             if self.reference is not None and world_size > 1 and distributed.shard_reference(
                     policy.shard_reference, self.reference, self.device):
                 distributed.shard_model(self.reference, policy.fsdp_layers_per_unit)

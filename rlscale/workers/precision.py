@@ -23,12 +23,6 @@ import torch
 
 from rlscale.config import OptimizerConfig, PolicyConfig
 
-# With weights ~N(0, 0.02) and AdamW's per-step update of about lr, the share of bf16 weights that a
-# step changes (bf16_update_kept_fraction; tests/workers/test_precision.py records it): lr 3e-4:
-# 100%, 1e-4: 88%, 5e-5: 57%, 3e-5: 30%, 1e-5: 16%, 1e-6: 2.0%, 3e-7: 0.5%.
-BF16_VANISHING_LR = 5e-5  # below it, half or more of the updates are rounded away
-
-
 @dataclass(frozen=True)
 class Precision:
     compute: torch.dtype  # forward and backward, the reference model, the rollout engine
@@ -46,13 +40,17 @@ class Precision:
         MixedPrecisionPolicy casts parameters and reduces and accumulates gradients in fp32."""
         return self.compute != torch.float32 and self.master in ("fp32", "bf16_stochastic")
 
-    def fsdp_policy(self):
-        """FSDP2's MixedPrecisionPolicy for this precision (None: FSDP2's default, all in the weights' dtype)."""
-        if not self.needs_fsdp:
+    def fsdp_policy(self, world_size: int):
+        """FSDP2's MixedPrecisionPolicy for this precision (None: FSDP2's default, all in the weights'
+        dtype). Gradients are reduced and accumulated in fp32 for fp32 master weights, and for bf16
+        weights over several workers (a sum over ranks); at one worker a bf16 weight's gradient is
+        reduced by a copy, which fp32 buffers would only make larger (7B: 11 GB a unit of 6 layers)."""
+        if not self.needs_fsdp:  # fp32 compute, or plain bf16 (FSDP2's defaults over several workers)
             return None
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        return MixedPrecisionPolicy(param_dtype=self.compute, reduce_dtype=torch.float32)
+        fp32_reduce = self.master == "fp32" or world_size > 1
+        return MixedPrecisionPolicy(param_dtype=self.compute, reduce_dtype=torch.float32 if fp32_reduce else None)
 
 
 def compute_dtype(policy: PolicyConfig, device: torch.device) -> torch.dtype:
@@ -73,25 +71,6 @@ def resolve_precision(policy: PolicyConfig, device: torch.device) -> Precision:
     master = "fp32" if policy.master_weights == "auto" else policy.master_weights
     weights = torch.float32 if master == "fp32" else torch.bfloat16
     return Precision(compute, weights, master)
-
-
-def vanishing_update_warning(policy: PolicyConfig) -> str | None:
-    """A start-up line when bf16 weights (asked for) would round most of this learning rate's updates away."""
-    lr = policy.optimizer.lr
-    if policy.master_weights != "bf16" or lr >= BF16_VANISHING_LR:
-        return None
-    kept = bf16_update_kept_fraction(lr)
-    return (f"warning: policy.master_weights=bf16 at policy.optimizer.lr={lr:g}: an AdamW step changes only "
-            f"~{kept:.0%} of bf16 weights of scale 0.02 (the rest round away); use master_weights=fp32 or "
-            "bf16_stochastic (auto, the default, picks one of them)")
-
-
-def bf16_update_kept_fraction(lr: float, std: float = 0.02, samples: int = 200_000, seed: int = 0) -> float:
-    """The share of bf16 weights ~N(0, std) that change when ±lr is added (AdamW's update size)."""
-    generator = torch.Generator().manual_seed(seed)
-    weights = (torch.randn(samples, generator=generator) * std).bfloat16()
-    updated = (weights.float() - lr).bfloat16()
-    return float((updated != weights).float().mean())
 
 
 def make_optimizer(params, opt: OptimizerConfig, precision: Precision, device: torch.device, seed: int):

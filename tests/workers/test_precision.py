@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rlscale.config import load_config
-from rlscale.workers.precision import BF16_VANISHING_LR, bf16_update_kept_fraction, resolve_precision
+from rlscale.config import BF16_VANISHING_LR, bf16_update_kept_fraction, config_notes
+from rlscale.workers.precision import resolve_precision
 from rlscale.workers.stochastic_adamw import StochasticRoundingAdamW, stochastic_round_to_bf16
 from rlscale.workers.group import LocalWorkerGroup
 from tests.ckpt.conftest import (assert_same_state, checkpointer_for, full_state, make_cfg,  # noqa: F401
@@ -148,9 +149,10 @@ def test_master_weights_train_save_and_resume_bit_exact(bf16_cfg, master):
 
 
 def test_plain_bf16_at_a_small_learning_rate_is_warned_about_at_start():
-    from rlscale.workers.precision import vanishing_update_warning
+    def notes(*overrides):
+        return [n for n in config_notes(load_config(None, list(overrides))) if "master_weights" in n]
 
-    line = vanishing_update_warning(load_config(None, ["policy.master_weights=bf16", "policy.optimizer.lr=1e-6"]).policy)
+    [line] = notes("policy.master_weights=bf16", "policy.optimizer.lr=1e-6")
     assert line.startswith("warning: policy.master_weights=bf16 at policy.optimizer.lr=1e-06") and "~2%" in line
-    assert vanishing_update_warning(load_config(None, ["policy.master_weights=bf16"]).policy) is None  # lr 2e-4
-    assert vanishing_update_warning(load_config(None, ["policy.optimizer.lr=1e-6"]).policy) is None  # auto
+    assert notes("policy.master_weights=bf16") == []  # lr 2e-4
+    assert notes("policy.optimizer.lr=1e-6") == []  # auto
