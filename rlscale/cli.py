@@ -55,7 +55,14 @@ def train(
         from rlscale.data.presets import find_preset
 
         find_preset(cfg.data.dataset_name)  # a name check only: no data is read
-        _print_resolved(cfg)
+        from rlscale.memory_plan import plan_for
+
+        plan = plan_for(cfg)  # printed before a refusal: the table shows where the memory goes
+        _print_resolved(plan.apply(cfg))
+        for line in plan.lines():
+            typer.echo(f"# {line}")
+        if plan.refusal():
+            raise UserError(plan.refusal())
         return
     from rlscale.controller import train as run_training
 

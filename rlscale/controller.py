@@ -304,11 +304,17 @@ class RunPosition:
 def train(cfg: Config, planned: dict[str, int] | None = None) -> dict:
     """Run (or resume) a GRPO training run; returns the summary written to summary.json.
 
-    planned: the memory plan's bytes per phase (see planned_figures), quoted when the run runs out
-    of memory. Running out of memory anywhere (a worker, this process) ends the run, after the
+    The memory plan (rlscale.memory_plan) is made first: it sets what the user left to it and
+    refuses, in one line, a run that cannot fit. planned: the bytes per phase quoted when the run
+    runs out of memory (default: the plan's, see planned_figures). Running out of memory anywhere (a worker, this process) ends the run, after the
     same cleanup as any error (a save in flight commits or is left as tmp_step_N/), with an
     rlscale.errors.OutOfMemory: one line naming the phase, the step, the figures and what to
     change; the tracebacks go to <logger.log_dir>/error.log."""
+    from rlscale import memory_plan
+
+    cfg, plan = memory_plan.resolve(cfg)  # before anything loads; a run that cannot fit stops here
+    print_note(memory_plan.summary_line(plan))
+    planned = planned if planned is not None else planned_figures(plan)
     position = RunPosition()
     try:
         return _train(cfg, position)
