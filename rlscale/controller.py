@@ -313,11 +313,12 @@ def train(cfg: Config, planned: dict[str, int] | None = None) -> dict:
     from rlscale import memory_plan
 
     cfg, plan = memory_plan.resolve(cfg)  # before anything loads; a run that cannot fit stops here
-    print_note(memory_plan.summary_line(plan))
     planned = planned if planned is not None else planned_figures(plan)
+    # said once the run starts (with a budget: a verdict and picks; without one, --dry-run shows it)
+    plan_line = memory_plan.summary_line(plan) if plan.budget is not None else None
     position = RunPosition()
     try:
-        return _train(cfg, position)
+        return _train(cfg, position, plan_line)
     except OutOfMemory as exc:
         _finish_out_of_memory(exc, cfg, planned, position)
         raise
@@ -366,7 +367,7 @@ def write_error_log(run_dir: Path, exc: BaseException) -> str | None:
     return str(path)
 
 
-def _train(cfg: Config, position: RunPosition) -> dict:
+def _train(cfg: Config, position: RunPosition, plan_line: str | None = None) -> dict:
     started = time.perf_counter()
     # which checkpoint to resume from (only reads): a wrong checkpointing.resume fails here
     choice = choose_resume(cfg.checkpoint_dir, cfg.checkpointing.resume, cfg.checkpointing.verify_checksums) \
@@ -421,7 +422,7 @@ def _train(cfg: Config, position: RunPosition) -> dict:
         run = Run(cfg, group, scorer, checkpointer, sinks, loader, datasets.val, state,
                   signals, Deadline(cfg.checkpointing.must_save_by_s(), started), position)
         with ProgressDisplay(cfg.grpo.max_num_steps, state.step, cfg.logger.progress) as progress:
-            for note in notes + sinks.notes():
+            for note in [plan_line] * bool(plan_line) + notes + sinks.notes():
                 progress.print(note)
             eval_after = run.loop(progress, resumed_from)
         state.wall_s = run.wall_before + time.perf_counter() - started

@@ -20,6 +20,7 @@ small Qwen2); each is one named constant, to be calibrated against H200 measurem
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, replace
 from itertools import product
 from pathlib import Path
@@ -191,11 +192,26 @@ def budget_bytes(cfg: Config) -> int | None:
         return int(cfg.cluster.gpu_memory_gb * GB)
     if cfg.policy.device == "cpu":
         return None
-    try:
+    if "torch" in sys.modules:  # a run: torch is loaded anyway
         import torch
-    except ImportError:
+
+        return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    return _nvidia_smi_memory()  # a dry run: no torch import (it takes seconds, and no model loads)
+
+
+def _nvidia_smi_memory() -> int | None:
+    """GPU 0's memory as the driver reports it (MiB), without torch; None without an NVIDIA GPU."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
         return None
-    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=20)
+        return int(done.stdout.split()[0]) * 2**20 if done.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
 
 
 def usable_bytes(budget: int) -> float:

@@ -31,6 +31,10 @@ def test_dry_run_of_the_seed_job_line(tmp_path):
     assert printed["checkpointing"]["checkpoint_dir"] == "/lustre/run/"
     assert printed["data"]["dataset_name"] == "DeepScaler"
     assert printed["logger"]["wandb_enabled"] is False
+    derived, _, plan_text = derived.partition("# memory plan: ")
+    # the plan's figures, without a verdict: no GPU here and no cluster.gpu_memory_gb
+    assert plan_text.startswith("Qwen/Qwen2.5-72B-Instruct, 72.71B parameters, 64 GPUs")
+    assert "no verdict: no GPU here and cluster.gpu_memory_gb is not set" in plan_text
     sizes = dict(line.strip("# ").split(": ") for line in derived.strip().splitlines())
     assert sizes == {"world_size": "64", "samples_per_step": "256", "optimizer_steps_per_grpo_step": "1",
                      "samples_per_worker_per_optimizer_step": "4", "micro_batch_size": "4",
@@ -61,3 +65,15 @@ def test_dry_run_imports_no_model_or_data_library(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip() == "no heavy imports"
     assert "world_size: 64" in done.stdout
+
+
+def test_dry_run_of_the_seed_job_on_b200s_is_refused_by_the_memory_plan(tmp_path):
+    """With a budget (cluster.gpu_memory_gb) the plan gives a verdict: the seed's 72B cannot fit
+    while every GPU holds the rollout engine's whole copy; the table is printed, then one line."""
+    result = run_cli("train", "--dry-run", *SEED_OVERRIDES, "cluster.gpu_memory_gb=180", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.output
+    assert result.stderr.strip().splitlines() == [
+        "rlscale: error: memory plan: the logprobs phase needs 316.1 GB per GPU, more than the 172.6 GB usable "
+        "of 180.0 GB: the rollout engine's whole bf16 copy and the gathered policy alone take 290.8 GB per GPU at "
+        "any GPU count: needs tensor-parallel generation (policy.generation.tensor_parallel_size, not yet available)"]
+    assert "#   peak: logprobs 316.1 GB; budget 180.0 GB" in result.stdout
