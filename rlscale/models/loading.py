@@ -96,6 +96,18 @@ def _load_path(name: str, key: str, trust_remote_code: bool, tokenizer_only: boo
     return path
 
 
+def local_weights_dir(name: str, trust_remote_code: bool = False) -> str | None:
+    """The local directory holding `name`'s safetensors weights (built-in, a path, or a hub id whole
+    in the cache), for a sharded load that reads each rank's part (rlscale.models.sharded_load);
+    None otherwise (a hub id to download, .bin weights, remote code): transformers loads those."""
+    if trust_remote_code:
+        return None
+    path = Path(_load_path(name, "policy.model_name", trust_remote_code))
+    if path.is_dir() and any((path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+        return str(path)
+    return None
+
+
 def pick_device(choice: str) -> torch.device:
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -18,6 +18,8 @@ import torch
 from rlscale.config import Config, token_budget
 from rlscale.grpo.loss import grpo_token_loss, linear_logprobs, linear_logprobs_loss
 from rlscale.models import PromptRenderer, load_model, load_tokenizer, pick_device
+from rlscale.models.loading import local_weights_dir
+from rlscale.models.sharded_load import load_sharded
 from rlscale.models.packed_attention import packed_kwargs, use_packed_attention
 from rlscale.models.prompts import decode_responses
 from rlscale.workers.batch import Rollouts, TrainBatch
@@ -74,15 +76,27 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self.renderer = PromptRenderer(
             self.tokenizer, policy.prompt_format,
             max_prompt_tokens=policy.max_total_sequence_length - policy.generation.max_new_tokens)
-        self.model = load_model(policy.model_name, self.precision.weights, self.device, policy.trust_remote_code)
-        self.model.config.use_cache = False
-        use_packed_attention(self.model, policy.attention_backend)
-        # activation checkpointing, then compile, then FSDP2 (sharding below), as torchtitan orders them
-        if policy.activation_checkpointing:
-            enable_activation_checkpointing(self.model)
         self.compiled = policy.compile if policy.compile is not None else self.device.type == "cuda"
-        if self.compiled:
-            compile_layers(self.model)
+
+        def prepare(model) -> None:
+            """Activation checkpointing, then compile, then FSDP2, as torchtitan orders them."""
+            model.config.use_cache = False
+            use_packed_attention(model, policy.attention_backend)
+            if policy.activation_checkpointing:
+                enable_activation_checkpointing(model)
+            if self.compiled:
+                compile_layers(model)
+            if self.sharded:
+                distributed.shard_model(model, policy.fsdp_layers_per_unit, self.precision.fsdp_policy(world_size))
+
+        weights_dir = local_weights_dir(policy.model_name, policy.trust_remote_code)
+        if self.sharded and weights_dir is not None:
+            # built on the meta device, each rank reading only the shards it keeps (no whole copy)
+            self.model = load_sharded(weights_dir, self.precision.weights, self.device, prepare,
+                                      policy.trust_remote_code)
+        else:
+            self.model = load_model(policy.model_name, self.precision.weights, self.device, policy.trust_remote_code)
+            prepare(self.model)
         self._rollout: RolloutEngine | None = None
         self._rollout_unsupported = False
         self.last_generation_timings: dict[str, float] = {}
@@ -96,12 +110,10 @@ class PolicyWorker(state_io.CheckpointableWorker):
         # null (no memory plan was made): keep the policy gathered, the fastest way when it fits
         self.keep_gathered = policy.keep_gathered is not False
         self.reference_sharded = False
-        if self.sharded:
-            distributed.shard_model(self.model, policy.fsdp_layers_per_unit, self.precision.fsdp_policy(world_size))
-            if self.reference is not None and world_size > 1 and distributed.shard_reference(
-                    policy.shard_reference, self.reference, self.device):
-                distributed.shard_model(self.reference, policy.fsdp_layers_per_unit)
-                self.reference_sharded = True
+        if self.reference is not None and world_size > 1 and distributed.shard_reference(
+                policy.shard_reference, self.reference, self.device):
+            distributed.shard_model(self.reference, policy.fsdp_layers_per_unit)
+            self.reference_sharded = True
         self.optimizer = precision.make_optimizer(self.model.parameters(), policy.optimizer, self.precision,
                                                   self.device, seed=cfg.grpo.seed * 1009 + rank)
         warmup = policy.scheduler.warmup_steps

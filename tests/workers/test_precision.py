@@ -97,8 +97,18 @@ def bf16_cfg(make_cfg):
     return make
 
 
+@pytest.fixture
+def group_of_one():
+    """A worker at one GPU with these precisions joins a process group of one: left by the test."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("master", ["fp32", "bf16_stochastic"])
-def test_master_weights_train_save_and_resume_bit_exact(bf16_cfg, master):
+def test_master_weights_train_save_and_resume_bit_exact(bf16_cfg, master, group_of_one):
     """One worker, bf16 compute: fp32 master weights are FSDP2 parameters (a group of one) whose
     forward runs in bf16; moments are fp32 either way; a checkpoint holds what trains, and a worker
     restored from it takes the next steps bit for bit as the original does."""
