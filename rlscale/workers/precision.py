@@ -10,7 +10,7 @@ real RL post-training runs in. So a 16-bit compute dtype gets, by default, fp32 
   worker and N workers compute the same way.
 - bf16_stochastic: bf16 parameters, fp32 moments, and updates rounded to bf16 stochastically
   (rlscale.workers.stochastic_adamw), so a small update is kept on average; gradients reduced and
-  accumulated in fp32 as above.
+  accumulated in fp32 over several workers (at one worker the reduction is a copy: bf16).
 - bf16: bf16 parameters and moments (torch's AdamW), only when asked for.
 The frozen reference model and the rollout engine's copy are in the compute dtype.
 """
@@ -22,17 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from rlscale.config import OptimizerConfig, PolicyConfig
+from rlscale.models import pick_dtype
+
 
 @dataclass(frozen=True)
 class Precision:
     compute: torch.dtype  # forward and backward, the reference model, the rollout engine
     weights: torch.dtype  # the parameters the optimizer updates
     master: str  # fp32 | bf16_stochastic | bf16
-
-    @property
-    def casts(self) -> bool:
-        """Whether FSDP2 must cast parameters to the compute dtype (fp32 master under 16-bit compute)."""
-        return self.weights != self.compute
 
     @property
     def needs_fsdp(self) -> bool:
@@ -54,12 +51,11 @@ class Precision:
 
 
 def compute_dtype(policy: PolicyConfig, device: torch.device) -> torch.dtype:
-    """policy.dtype, where auto is bf16 on CUDA (and wherever bf16 weights were asked for), else fp32."""
-    if policy.dtype != "auto":
-        return getattr(torch, policy.dtype)
-    if device.type == "cuda" or policy.master_weights in ("bf16", "bf16_stochastic"):
+    """policy.dtype as rlscale.models.pick_dtype reads it, except that auto is bf16 wherever bf16
+    weights were asked for (on a CPU too)."""
+    if policy.dtype == "auto" and policy.master_weights in ("bf16", "bf16_stochastic"):
         return torch.bfloat16
-    return torch.float32
+    return pick_dtype(policy.dtype, device)
 
 
 def resolve_precision(policy: PolicyConfig, device: torch.device) -> Precision:
