@@ -30,6 +30,7 @@ from rlscale.grpo import carries_gradient, group_advantages
 from rlscale.preemption import EXIT_DEADLINE, Deadline, RunStopped, StopRequests, StopSignals, save_fits
 from rlscale.rewards import RewardScorer
 from rlscale.telemetry import ProgressDisplay, StepTimer, build_sinks, print_note
+from rlscale.telemetry.memory import largest_over_workers
 from rlscale.workers.batch import Rollouts, build_train_batch
 from rlscale.workers.group import LocalWorkerGroup, split_evenly
 from rlscale.workers.policy import PolicyWorker, SamplingParams
@@ -124,10 +125,12 @@ def train_on_rollouts(cfg: Config, group, rollouts: Rollouts, advantages: list[f
     results = group.run_all("train", [(steps, global_tokens, gbs, sizes.micro_batch_size, trained_tokens)
                                       for steps in per_worker])
     # each worker reports its share of a global mean, so the global value is their sum
-    summed = {key: sum(r[key] for r in results) for key in results[0] if key not in ("grad_norm", "lr")}
+    memory = largest_over_workers(results)  # measured peaks per phase (CUDA only)
+    summed = {key: sum(r[key] for r in results) for key in results[0]
+              if key not in ("grad_norm", "lr") and key not in memory}
     summed.update(grad_norm=results[0]["grad_norm"], lr=results[0]["lr"],
                   skipped_fraction=1.0 - sum(trains) / max(len(trains), 1))
-    return {f"train/{k}": v for k, v in summed.items()}
+    return {**{f"train/{k}": v for k, v in summed.items()}, **memory}
 
 
 def validate(cfg: Config, group, problems, scorer) -> EvalResult:
@@ -314,11 +317,9 @@ def train(cfg: Config, planned: dict[str, int] | None = None) -> dict:
 
     cfg, plan = memory_plan.resolve(cfg)  # before anything loads; a run that cannot fit stops here
     planned = planned if planned is not None else planned_figures(plan)
-    # said once the run starts (with a budget: a verdict and picks; without one, --dry-run shows it)
-    plan_line = memory_plan.summary_line(plan) if plan.budget is not None else None
     position = RunPosition()
     try:
-        return _train(cfg, position, plan_line)
+        return _train(cfg, position, plan)
     except OutOfMemory as exc:
         _finish_out_of_memory(exc, cfg, planned, position)
         raise
@@ -367,8 +368,12 @@ def write_error_log(run_dir: Path, exc: BaseException) -> str | None:
     return str(path)
 
 
-def _train(cfg: Config, position: RunPosition, plan_line: str | None = None) -> dict:
+def _train(cfg: Config, position: RunPosition, plan=None) -> dict:
     started = time.perf_counter()
+    # said once the run starts (with a budget: a verdict and picks; without one, --dry-run shows it)
+    from rlscale.memory_plan import summary_line
+
+    plan_line = summary_line(plan) if plan is not None and plan.budget is not None else None
     # which checkpoint to resume from (only reads): a wrong checkpointing.resume fails here
     choice = choose_resume(cfg.checkpoint_dir, cfg.checkpointing.resume, cfg.checkpointing.verify_checksums) \
         if cfg.checkpointing.enabled else None
@@ -417,6 +422,8 @@ def _train(cfg: Config, position: RunPosition, plan_line: str | None = None) -> 
         # this one takes again) must not pass for this run's if it stops before writing its own
         (run_dir / "summary.json").unlink(missing_ok=True)
         write_atomic(run_dir / "config.yaml", cfg.to_yaml())
+        if plan is not None and plan.phases:  # beside the measured memory/*_peak_gb (rlscale bench mem)
+            write_atomic(run_dir / "memory_plan.json", json.dumps(plan.as_dict(), indent=2) + "\n")
         # SIGTERM/SIGINT, or a worker pod's stop request: save, then RunStopped
         signals = cleanup.enter_context(StopSignals(requests))
         run = Run(cfg, group, scorer, checkpointer, sinks, loader, datasets.val, state,

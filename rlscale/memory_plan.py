@@ -427,6 +427,15 @@ class MemoryPlan:
             return cfg
         return cfg.model_copy(update={"policy": cfg.policy.model_copy(update={p.key: p.value for p in self.picks})})
 
+    def as_dict(self) -> dict:
+        """The plan as JSON for the run's directory (memory_plan.json): GB per GPU by phase and component."""
+        return {"model": self.model_name, "world": self.world,
+                "budget_gb": None if self.budget is None else self.budget / GB, "fits": self.fits,
+                "picks": {f"policy.{p.key}": p.value for p in self.picks},
+                "phases": {ph.name: {"total_gb": ph.total / GB,
+                                     "components_gb": {k: v / GB for k, v in ph.components.items() if v}}
+                           for ph in self.phases}}
+
     def refusal(self) -> str | None:
         """One line when the run cannot fit: the phase, its bytes, the budget, what would fit."""
         if self.fits is not False:

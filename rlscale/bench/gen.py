@@ -6,7 +6,8 @@ variant (EOS ignored, so every sequence decodes exactly `new_tokens`):
 - hf_static: `cache_implementation="static"` (transformers compiles the decode step itself);
 - engine: rlscale's rollout engine (slotted KV cache, decode steps replayed as CUDA graphs);
 - engine_compiled: the same with the decode step compiled by torch.compile before capture (decode
-  attention through flex attention, the engine's choice for a compiled step);
+  attention through flex attention, the engine's choice for a compiled step): the engine as
+  `rlscale train` runs it, and with the two HF variants the default set (DEFAULT_VARIANTS);
 - engine_sdpa: compiled, with decode attention through torch SDPA (cuDNN) instead;
 - engine_matmul: compiled, with decode attention as two batched matmuls;
 - engine_spans: compiled, each decode step attending to the live prefix of the cache in
@@ -43,6 +44,9 @@ ENGINE_VARIANTS = {
     "engine_eager": {"graphs": False},
 }
 VARIANTS = ("hf_dynamic", "hf_static", *ENGINE_VARIANTS)
+# without --variant: the HF baselines and the engine as `rlscale train` runs it (policy.generation.compile
+# and cuda_graphs, both on by default: rlscale/workers/policy.py)
+DEFAULT_VARIANTS = ("hf_dynamic", "hf_static", "engine_compiled")
 
 
 def build_model(shape: str, device: torch.device, dtype: torch.dtype):

@@ -70,21 +70,28 @@ def save_random_qwen2(params: dict, tokenizer, out_dir: Path) -> None:
         torch.cuda.empty_cache()  # the benchmarked runs load it in processes of their own
 
 
-def run_one(model_dir: Path, workers: int, prompts_per_worker: int, generations: int, new_tokens: int,
-            steps: int, log_dir: Path, extra: list[str], profile_step: int | None = None) -> dict:
-    """One `rlscale train` run; medians over its steps after the first. profile_step: that step's
-    generate and train are timed section by section on every worker (synchronised at each
-    section's end, so the step is left out of the medians) into the result's `sections_ms`."""
-    prompts = prompts_per_worker * workers
-    overrides = [
+def train_overrides(model_dir: Path, workers: int, prompts: int, generations: int, new_tokens: int, steps: int,
+                    log_dir: Path) -> list[str]:
+    """A bench's `rlscale train` settings: one optimizer step on all samples per GRPO step, no
+    validation, no checkpoints, 1024 tokens at most per sample (overrides after these win)."""
+    return [
         f"policy.model_name={model_dir}", f"cluster.gpus_per_node={workers}", "cluster.backend=ray",
         f"grpo.num_prompts_per_step={prompts}", f"grpo.num_generations_per_prompt={generations}",
         f"policy.train_global_batch_size={prompts * generations}",
         f"policy.generation.max_new_tokens={new_tokens}", "policy.max_total_sequence_length=1024",
         f"grpo.max_num_steps={steps}", "grpo.val_at_start=false", "grpo.val_at_end=false", "grpo.val_period=0",
         "checkpointing.enabled=false", "logger.progress=false", f"logger.log_dir={log_dir}",
-        "data.arithmetic.num_val_problems=16", *extra,
+        "data.arithmetic.num_val_problems=16",
     ]
+
+
+def run_one(model_dir: Path, workers: int, prompts_per_worker: int, generations: int, new_tokens: int,
+            steps: int, log_dir: Path, extra: list[str], profile_step: int | None = None) -> dict:
+    """One `rlscale train` run; medians over its steps after the first. profile_step: that step's
+    generate and train are timed section by section on every worker (synchronised at each
+    section's end, so the step is left out of the medians) into the result's `sections_ms`."""
+    prompts = prompts_per_worker * workers
+    overrides = train_overrides(model_dir, workers, prompts, generations, new_tokens, steps, log_dir) + extra
     env = dict(os.environ)
     profile_dir = log_dir / "profile"
     if profile_step is not None:

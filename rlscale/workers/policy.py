@@ -24,6 +24,7 @@ from rlscale.models.packed_attention import packed_kwargs, use_packed_attention
 from rlscale.models.prompts import decode_responses
 from rlscale.workers.batch import Rollouts, TrainBatch
 from rlscale.rollout import RolloutEngine, SamplingMode, StopStrings, round_up, unsupported_reason
+from rlscale.telemetry.memory import PhasePeaks
 from rlscale.telemetry.torch_profile import CallProfiler
 from rlscale.workers.packing import PackedMicroBatch, filler_pack, pack_batch, to_device
 from rlscale.workers import distributed, precision, state_io
@@ -114,6 +115,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
                 policy.shard_reference, self.reference, self.device):
             distributed.shard_model(self.reference, policy.fsdp_layers_per_unit)
             self.reference_sharded = True
+        self.memory = PhasePeaks(self.device)  # measured per phase, reported with each update
         self.optimizer = precision.make_optimizer(self.model.parameters(), policy.optimizer, self.precision,
                                                   self.device, seed=cfg.grpo.seed * 1009 + rank)
         warmup = policy.scheduler.warmup_steps
@@ -139,7 +141,9 @@ class PolicyWorker(state_io.CheckpointableWorker):
         FSDP2 parameters gathered for the engine stay gathered for the update's first forward
         (one all-gather of the model per step instead of two)."""
         with self.profiler.around("generate"), torch.no_grad():
-            return self._generate(texts, params, update_follows)
+            rollouts = self._generate(texts, params, update_follows)
+        self.memory.end("generation")
+        return rollouts
 
     def _generate(self, texts: list[str], params: SamplingParams, update_follows: bool) -> Rollouts:
         prompt_ids, prompt_cut = self.renderer.render_all(texts)
@@ -150,6 +154,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         with distributed.gathered(self.model, self.sharded, keep=update_follows and self.keep_gathered):
             engine.sync_weights(self.model)  # in place, device to device; the engine then decodes alone
         self.profiler.mark("gather and sync weights")
+        self.memory.end("weight sync")  # the engine's first build and capture included
         out = engine.generate(
             prompt_ids, params.max_new_tokens, SamplingMode(params.temperature, params.top_p, params.top_k),
             eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
@@ -259,7 +264,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
             raise ValueError(f"{len(steps)} optimizer steps, but {len(global_tokens)} global and "
                              f"{len(trained_tokens)} trained token counts")
         with self.profiler.around("train"):
-            return self._train(steps, global_tokens, global_samples, micro_batch_size, trained_tokens)
+            stats = self._train(steps, global_tokens, global_samples, micro_batch_size, trained_tokens)
+        return {**stats, **self.memory.pop()}  # this step's peaks, its generation's included
 
     def _train(self, steps: list[TrainBatch], global_tokens: list[float], global_samples: int,
                micro_batch_size: int, trained_tokens: list[float]) -> dict[str, float]:
@@ -276,6 +282,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
         ref = [self._pack_logprobs(self.reference, p, self.reference_sharded, keep_gathered=False)
                if self.reference is not None else None for p in packs]
         self.profiler.mark("old and reference logprobs")
+        if len(steps) > 1 or self.reference is not None:
+            self.memory.end("logprobs")
         totals: dict[str, float] = {}
         # the trained-token means (entropy, sampler agreement) are over the GRPO step's trained
         # tokens, whichever optimizer step they fell in (one may train nothing); the others are
@@ -336,6 +344,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
             for p in self.model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
+        self.memory.end("update")
         max_norm = self.cfg.policy.max_grad_norm or math.inf
         grad_norm = distributed.clip_grad_norm(list(self.model.parameters()), max_norm, self.sharded)
         self.profiler.mark("clip gradients")
@@ -344,6 +353,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self.optimizer.zero_grad(set_to_none=True)  # the gradients' memory is the generation's until the next update
         self.scheduler.step()
         self.profiler.mark("optimizer step")
+        self.memory.end("optimizer step")
         stats = {key: float(value) for key, value in sums.items()}
         stats.update(grad_norm=distributed.as_float(grad_norm), lr=lr)
         return stats

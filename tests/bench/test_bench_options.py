@@ -1,5 +1,9 @@
 """Bench options are checked before anything is built or written."""
 
+import sys
+import types
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -11,9 +15,29 @@ from rlscale.errors import UserError
     (["bench", "ckpt", "--device", "tpu"], "--device 'tpu': choose auto, cpu or cuda"),
     (["bench", "train", "--device", "tpu"], "--device 'tpu': choose auto, cpu or cuda"),
     (["bench", "scale", "--workers", "2", "--workers", "0"], "--workers 0: a run needs at least one worker"),
+    (["bench", "mem", "--model", "qwen2-0.5b", "--model", "qwen9"],
+     "--model 'qwen9': choose one of tiny, qwen2-0.5b, qwen2-1.5b, qwen2-7b"),
+    (["bench", "train", "--model", "qwen9"], "--model 'qwen9': choose one of tiny, qwen2-0.5b, qwen2-1.5b, qwen2-7b"),
 ])
 def test_bad_bench_options_are_user_errors(args, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(app, args)
     assert isinstance(result.exception, UserError) and str(result.exception) == message
     assert list(tmp_path.iterdir()) == []  # nothing built or written first
+
+
+def test_bench_mem_hands_its_options_to_mem_command_and_prints_its_table(monkeypatch):
+    calls = []
+    mem = types.ModuleType("rlscale.bench.mem")  # stands in for the module, whether or not it exists
+    mem.mem_command = lambda models, steps, overrides, json_file: calls.append(
+        (models, steps, overrides, json_file)) or {"rows": 1}
+    mem.format_table = lambda result: f"table of {result}"
+    monkeypatch.setitem(sys.modules, "rlscale.bench.mem", mem)
+    result = CliRunner().invoke(app, ["bench", "mem"])
+    assert result.exit_code == 0, result.output
+    assert calls == [(["qwen2-0.5b", "qwen2-1.5b", "qwen2-7b"], 2, [], None)]
+    assert result.output == "table of {'rows': 1}\n"
+    result = CliRunner().invoke(app, ["bench", "mem", "--model", "tiny", "--steps", "3", "--set", "a.b=1",
+                                      "--set", "c=2", "--json", "m.json"])
+    assert result.exit_code == 0, result.output
+    assert calls[1] == (["tiny"], 3, ["a.b=1", "c=2"], Path("m.json"))

@@ -45,3 +45,14 @@ def test_bench_gen_kernel_profile_appends_one_table_set_per_variant(tmp_path):
     text = tables.read_text()
     assert text.count("# tiny engine,") == 1 and text.count("# tiny engine_eager,") == 1
     assert text.count("## by CPU time (inclusive)") == 2 and "aten::" in text
+
+
+def test_bench_gen_runs_the_hf_baselines_and_the_engine_as_training_runs_it_by_default(monkeypatch):
+    import rlscale.bench.gen as gen
+
+    seen = []
+    monkeypatch.setattr(gen, "run_benchmark", lambda shapes, variants, *args, **kwargs: seen.append(variants)
+                        or {"device": "cpu", "batch": 1, "prompt_tokens": 1, "new_tokens": 2, "models": {}})
+    assert CliRunner().invoke(app, ["bench", "gen"]).exit_code == 0
+    assert seen == [["hf_dynamic", "hf_static", "engine_compiled"]]
+    assert gen.ENGINE_VARIANTS["engine_compiled"] == {"compiled": True}  # graphs on CUDA too: policy.generation's defaults

@@ -112,6 +112,21 @@ def test_resolved_config_is_written_and_reloads(first, tiny_model):
     assert cfg.logger.progress is False
 
 
+def test_the_memory_plan_is_written_beside_the_config(first):
+    """memory_plan.json holds the run's plan (what `rlscale bench mem` compares with the measured
+    peaks): the same figures as a plan made again from the written config."""
+    from rlscale.config import load_config
+    from rlscale.memory_plan import plan_for
+
+    written = json.loads((Path(first["after_first"]) / "memory_plan.json").read_text())
+    again = plan_for(load_config(Path(first["after_first"]) / "config.yaml"))
+    assert written["world"] == 1 and written["fits"] is None  # no GPU here, no budget: no verdict
+    assert list(written["phases"]) == [ph.name for ph in again.phases]
+    for ph in again.phases:
+        assert written["phases"][ph.name]["total_gb"] == pytest.approx(ph.total / 1e9)
+    assert written["phases"]["update"]["components_gb"]["moments"] > 0
+
+
 def test_checkpoints_are_committed_with_manifest_and_state(first):
     root = Path(first["after_first"]) / "checkpoints"
     assert step_dirs(root) == ["step_2", "step_3"]  # committed, no tmp_step_N left
