@@ -107,7 +107,7 @@ def bench_gen(
     model: list[str] = typer.Option(["qwen2-0.5b"], "--model", help="qwen2-0.5b, qwen2-1.5b, qwen2-7b, tiny (repeatable)"),
     variant: Optional[list[str]] = typer.Option(
         None, "--variant", help="hf_dynamic, hf_static, engine, engine_compiled, engine_sdpa, engine_matmul, "
-        "engine_spans, engine_autotune, engine_flex_defaults, engine_eager (repeatable); default: hf_dynamic, "
+        "engine_autotune, engine_flex_defaults, engine_eager (repeatable); default: hf_dynamic, "
         "hf_static, engine_compiled (the engine as `rlscale train` runs it: compiled, CUDA graphs)"),
     batch: int = typer.Option(256, "--batch", min=1, help="sequences per generate call"),
     prompt_tokens: int = typer.Option(64, "--prompt-tokens", min=1),
@@ -142,14 +142,28 @@ def bench_step(
         None, "--set", help="config override for the rlscale half, after the bench's own (repeatable)"),
     profile_step: Optional[int] = typer.Option(
         None, "--profile-step", min=2, help="time rlscale's step N section by section (left out of its medians)"),
+    pairs: int = typer.Option(0, "--pairs", min=0, help="N alternating rlscale/TRL pairs on one model dir; "
+                              "reports the median pair ratio"),
+    compare_set: Optional[list[str]] = typer.Option(
+        None, "--compare-set", help="with --pairs: also run rlscale with this override after each pair (repeatable)"),
 ) -> None:
     """One full GRPO step (32 prompts × 8 samples, 256 new tokens): rlscale vs TRL's GRPOTrainer."""
-    from rlscale.bench.step import format_table, run_benchmark
+    from rlscale.bench.step import format_pairs, format_table, run_benchmark, run_pairs
 
     check_models([model])
     if only not in (None, "rlscale", "trl"):
         raise UserError(f"--only {only!r}: choose rlscale or trl")
     check_profile_step(profile_step, steps)
+    if compare_set and not pairs:
+        raise UserError("--compare-set needs --pairs N")
+    if pairs:
+        if only or profile_step:
+            raise UserError("--pairs runs both halves unprofiled: leave out --only and --profile-step")
+        out = run_pairs(model, steps, pairs, json_file, trl_set or [], rlscale_set or [], compare_set, echo=typer.echo)
+        typer.echo(format_pairs(out))
+        if any(p["trl_over_rlscale"] is None for p in out["pairs"]):
+            raise typer.Exit(1)  # a run failed or TRL is not installed: not every pair compares
+        return
     out = run_benchmark(model, steps, json_file, only, trl_set or [], echo=typer.echo,
                         profile_step=profile_step, rlscale_set=rlscale_set or [])
     typer.echo(format_table(out))

@@ -101,7 +101,7 @@ def build_bpe_model(shape: str, out_dir: Path) -> dict:
 
 def bench_prompts(steps: int) -> list[str]:
     """The prompt texts `rlscale train` draws for `steps` steps with the bench's settings, in order."""
-    from rlscale.config import load_config
+    from rlscale.config_loading import load_config
     from rlscale.data.loader import PromptLoader
     from rlscale.data.presets import build_datasets
 
@@ -113,7 +113,8 @@ def bench_prompts(steps: int) -> list[str]:
 
 def micro_batch_size() -> int:
     """rlscale's own default micro batch for 256 samples on one worker; TRL gets the same."""
-    from rlscale.config import derive_sizes, load_config
+    from rlscale.config import derive_sizes
+    from rlscale.config_loading import load_config
 
     cfg = load_config(None, [f"grpo.num_prompts_per_step={PROMPTS}", f"grpo.num_generations_per_prompt={GENERATIONS}",
                              f"policy.train_global_batch_size={PROMPTS * GENERATIONS}",
@@ -240,6 +241,61 @@ def run_benchmark(shape: str, steps: int, json_file: Path | None, only: str | No
         out["speedup_rlscale_vs_trl"] = t["median_step_s"] / r["median_step_s"]
     write()
     return out
+
+
+def run_pairs(shape: str, steps: int, pairs: int, json_file: Path | None, trl_set: list[str] | None = None,
+              rlscale_set: list[str] | None = None, compare_set: list[str] | None = None, echo=print) -> dict:
+    """`pairs` alternating runs on one model dir: rlscale, then TRL (a noisy baseline: the median of the
+    pair ratios is the figure). compare_set: a second rlscale configuration run after each pair (say,
+    plain bf16 master weights), reported as its step time over the first's, pair by pair."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "code": os.environ.get("RLSCALE_CODE_REV"),
+           "device": torch.cuda.get_device_name(0) if cuda else "cpu", "model": shape, "steps": steps,
+           "prompts_per_step": PROMPTS, "generations_per_prompt": GENERATIONS, "max_new_tokens": NEW_TOKENS,
+           "versions": versions(), "rlscale_set": rlscale_set or [], "trl_set": trl_set or [],
+           "compare_set": compare_set, "median_over": "steps 2..N of each run (step 1 warms up)", "pairs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        out["model_dir"] = build_bpe_model(shape, work / shape)
+        for i in range(pairs):
+            pair = {}
+            runs = [("rlscale", rlscale_set), ("trl", None)] + ([("compare", compare_set)] if compare_set else [])
+            for name, extra in runs:
+                echo(f"pair {i + 1}/{pairs}: {name} ...")
+                if name == "trl":
+                    pair[name] = run_trl(work / shape, steps, work, trl_set or [])
+                    continue
+                try:
+                    pair[name] = run_rlscale(work / shape, steps, work / f"run-{i}-{name}", extra=extra)
+                except Exception as exc:  # noqa: BLE001 - the other runs still report
+                    pair[name] = {"status": "failed", "error": str(exc)[-4000:]}
+            r, t, c = (pair.get(k, {}).get("median_step_s") for k in ("rlscale", "trl", "compare"))
+            pair["trl_over_rlscale"] = t / r if r and t else None
+            pair["compare_over_rlscale"] = c / r if r and c else None
+            out["pairs"].append(pair)
+            write_result(out, json_file)
+    for key in ("trl_over_rlscale", "compare_over_rlscale"):
+        ratios = [p[key] for p in out["pairs"] if p[key] is not None]
+        out[f"median_{key}"] = statistics.median(ratios) if ratios else None
+    write_result(out, json_file)
+    return out
+
+
+def format_pairs(out: dict) -> str:
+    lines = [f"{out['model']} on {out['device']}, {len(out['pairs'])} alternating pairs, step medians (s)",
+             "pair  rlscale    trl  trl/rlscale" + ("  compare  compare/rlscale" if out.get("compare_set") else "")]
+    for i, pair in enumerate(out["pairs"], 1):
+        cells = [pair.get(k, {}).get("median_step_s") for k in ("rlscale", "trl")]
+        cells.append(pair["trl_over_rlscale"])
+        if out.get("compare_set"):
+            cells += [pair.get("compare", {}).get("median_step_s"), pair["compare_over_rlscale"]]
+        lines.append(f"{i:4d}  " + "  ".join(f"{c:7.3f}" if c is not None else f"{'-':>7s}" for c in cells))
+    for key in ("trl_over_rlscale", "compare_over_rlscale"):
+        if out.get(f"median_{key}") is not None:
+            lines.append(f"median {key.replace('_over_', '/')}: {out[f'median_{key}']:.3f}")
+    return "\n".join(lines)
 
 
 def format_table(out: dict) -> str:

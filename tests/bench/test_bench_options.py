@@ -17,6 +17,9 @@ from rlscale.errors import UserError
     (["bench", "scale", "--workers", "2", "--workers", "0"], "--workers 0: a run needs at least one worker"),
     (["bench", "mem", "--model", "qwen2-0.5b", "--model", "qwen9"],
      "--model 'qwen9': choose one of tiny, qwen2-0.5b, qwen2-1.5b, qwen2-7b"),
+    (["bench", "step", "--compare-set", "policy.master_weights=bf16"], "--compare-set needs --pairs N"),
+    (["bench", "step", "--pairs", "3", "--only", "trl"],
+     "--pairs runs both halves unprofiled: leave out --only and --profile-step"),
     (["bench", "train", "--model", "qwen9"], "--model 'qwen9': choose one of tiny, qwen2-0.5b, qwen2-1.5b, qwen2-7b"),
 ])
 def test_bad_bench_options_are_user_errors(args, message, tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ def test_bench_step_tiny_without_trl(tmp_path, monkeypatch):
 
 def test_rlscale_half_runs_without_a_reference_like_trl():
     """The settings the JSON reports are the ones rlscale train gets (TRL gets beta=KL_BETA)."""
-    from rlscale.config import load_config
+    from rlscale.config_loading import load_config
 
     cfg = load_config(None, step.rlscale_overrides())
     assert step.KL_BETA == 0.0 and cfg.loss.reference_policy_kl_penalty == step.KL_BETA
@@ -68,3 +68,24 @@ def test_bench_step_passes_set_to_the_rlscale_half(tmp_path):
     data = json.loads(out.read_text())
     assert data["settings"]["rlscale_set"] == ["policy.no_such_key=1"]
     assert data["rlscale"]["status"] == "failed" and "no_such_key" in data["rlscale"]["error"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is not None, reason="checks the pairs without TRL installed")
+def test_bench_step_pairs_alternate_on_one_model_and_compare_a_second_setting(tmp_path, monkeypatch):
+    monkeypatch.setattr(step, "PROMPTS", 2)
+    monkeypatch.setattr(step, "GENERATIONS", 2)
+    monkeypatch.setattr(step, "NEW_TOKENS", 4)
+    out = tmp_path / "pairs.json"
+    result = CliRunner().invoke(app, ["bench", "step", "--model", "tiny", "--steps", "2", "--pairs", "2",
+                                      "--compare-set", "policy.master_weights=bf16", "--json", str(out)])
+    assert result.exit_code == 1, result.output  # no TRL: no pair compares
+    data = json.loads(out.read_text())
+    assert len(data["pairs"]) == 2 and data["compare_set"] == ["policy.master_weights=bf16"]
+    for pair in data["pairs"]:
+        assert pair["rlscale"]["status"] == "ok" and pair["compare"]["status"] == "ok"
+        assert pair["trl"]["status"] == "trl not installed" and pair["trl_over_rlscale"] is None
+        assert pair["compare_over_rlscale"] == pytest.approx(
+            pair["compare"]["median_step_s"] / pair["rlscale"]["median_step_s"])
+    assert data["median_compare_over_rlscale"] is not None and data["median_trl_over_rlscale"] is None
+    assert "median compare/rlscale" in result.output
+
