@@ -46,7 +46,8 @@ def train(
 
     75: stopped for checkpointing.checkpoint_must_save_by, after a save. Run the same command to resume.
     """
-    from rlscale.config import config_notes, load_config
+    from rlscale.config import config_notes
+    from rlscale.config_loading import load_config
     from rlscale.telemetry import print_note
 
     cfg = load_config(config, overrides or [])
@@ -74,7 +75,7 @@ def train(
 def eval_config(checkpoint: Path | None, config: Path | None, overrides: list[str]):
     """`rlscale eval`'s settings: with --checkpoint and no --config, those of the checkpoint's run
     (its data, prompts, generation, reward), the hardware settings this machine's; then overrides."""
-    from rlscale.config import load_config
+    from rlscale.config_loading import load_config
 
     run_config = checkpoint / "config.yaml" if checkpoint is not None and config is None else None
     if run_config is None or not run_config.is_file():

@@ -2,8 +2,9 @@
 
 Defaults live here and nowhere else; they describe the built-in default job (the shipped tiny
 model on the arithmetic task). Keys follow NeMo-RL's names so its command lines read naturally.
-A config is built from defaults, then an optional YAML file, then dotted `key.sub=value`
-overrides; every value is checked before anything heavy is loaded.
+This module is the schema only (classes, defaults, checks, derived sizes); building a config
+from defaults, an optional YAML file and dotted `key.sub=value` overrides is
+rlscale/config_loading.py, which checks every value before anything heavy is loaded.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rlscale.errors import UserError, validation_message
+from rlscale.errors import UserError
 
 
 
@@ -52,11 +53,20 @@ class GenerationConfig(_Section):
     compile: bool = Field(True, description="engine on CUDA: fuse the decode step and its sampling with "
                           "torch.compile before capturing it (compiles at the first generation of each "
                           "sampling mode)")
-    decode_span_bucket: int | None = Field(
-        None, ge=1, description="engine: SDPA decode attention over the live prefix of the KV cache, in "
-        "spans of this many positions (a CUDA graph per span, compiled in span-independent pieces); "
-        "null = the whole cache in one graph (compiled on CUDA, where flex attention reads only each "
-        "sequence's live cache blocks: faster)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_decode_span_bucket(cls, data: Any) -> Any:
+        """policy.generation.decode_span_bucket is gone (measured no faster than the compiled decode
+        graph). Its old default, null, is what every resolved config.yaml of older runs holds, and
+        what the engine does now: dropped, so that those runs still resume and evaluate."""
+        if isinstance(data, dict) and "decode_span_bucket" in data:
+            data = dict(data)
+            if data.pop("decode_span_bucket") is not None:
+                raise ValueError("policy.generation.decode_span_bucket was removed: the compiled decode graph "
+                                 "replaced it (flex attention reads only each sequence's live cache blocks); "
+                                 "drop the key")
+        return data
 
 
 class OptimizerConfig(_Section):
@@ -512,97 +522,9 @@ def token_budget(policy: PolicyConfig, micro_batch_size: int) -> int:
     return policy.train_micro_batch_tokens or micro_batch_size * policy.max_total_sequence_length
 
 
-# ---------------------------------------------------------------- loading and overrides
-
-
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    node = tree
-    for key in keys[:-1]:
-        child = node.setdefault(key, {})
-        if not isinstance(child, dict):
-            raise UserError(f"override {dotted!r}: {key!r} is a value, not a section")
-        node = child
-    node[keys[-1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """'grpo.max_num_steps=20' -> ('grpo.max_num_steps', 20); values are read as YAML scalars."""
-    key, sep, raw = text.partition("=")
-    key = key.strip().lstrip("+")
-    if not sep or not key or any(not part for part in key.split(".")):
-        raise UserError(f"override {text!r} is not of the form key.sub=value")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    if value is not None and not isinstance(value, str) and _is_text_key(key):
-        # A string key takes the text as typed: `data.prompt_template={problem}` is not a YAML
-        # mapping, `data.hf_subset=2023` not a number, `data.arithmetic.operations=-` not a list.
-        value = raw
-    return key, value
-
-
-def _is_text_key(dotted: str) -> bool:
-    """True when `dotted` names a leaf typed str or str | None."""
-    model: type[BaseModel] = Config
-    *sections, leaf = dotted.split(".")
-    for name in sections:
-        field = model.model_fields.get(name)
-        annotation = field.annotation if field is not None else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return False
-        model = annotation
-    field = model.model_fields.get(leaf)
-    return field is not None and field.annotation in (str, str | None)
-
-
-class _DuplicateKey(Exception):
-    def __init__(self, key, line: int):
-        super().__init__(key)
-        self.key, self.line = key, line
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.safe_load's loader, refusing a mapping that names a key twice (two `grpo:` sections
-    would otherwise merge as "the last one wins", dropping the first's settings unseen)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden on purpose
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, str) and key in seen:
-                raise _DuplicateKey(key, key_node.start_mark.line + 1)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def read_yaml_mapping(path: str | Path, what: str, of: str = "keys") -> dict[str, Any]:
-    """A YAML file that must hold a mapping (empty file: {}); one-line UserError naming the file."""
-    path = Path(path)
-    try:
-        loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
-    except OSError as exc:
-        raise UserError(f"cannot read {what} {str(path)!r}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{what} {str(path)!r} is not UTF-8 text (byte {exc.start})") from None
-    except _DuplicateKey as exc:
-        raise UserError(f"{what} {str(path)!r}: key {exc.key!r} appears twice in one mapping (line {exc.line}); "
-                        "YAML would keep the last silently") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UserError(f"{what} {str(path)!r} is not valid YAML{where}") from None
-    if loaded is not None and not isinstance(loaded, dict):
-        raise UserError(f"{what} {str(path)!r} must hold a mapping of {of}")
-    return loaded or {}
-
-
 def check_reward_spec(spec) -> tuple[str, str]:
     """rewards.function 'package.module:function' -> (module, attribute path), without importing
-    anything (a dry run checks it); 'math' -> ('', 'math')."""
+    anything (load_config in rlscale/config_loading.py checks it, so a dry run does); 'math' -> ('', 'math')."""
     if spec == "math":
         return "", "math"
     module_name, sep, attr_path = (spec if isinstance(spec, str) else "").partition(":")
@@ -612,26 +534,8 @@ def check_reward_spec(spec) -> tuple[str, str]:
     return module_name, attr_path
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the YAML file, then dotted overrides; raises UserError on any problem."""
-    tree: dict[str, Any] = read_yaml_mapping(path, "config file", "sections") if path is not None else {}
-    for text in overrides or []:
-        key, value = parse_override(text)
-        _set_dotted(tree, key, value)
-    try:
-        cfg = Config.model_validate(tree)
-    except ValidationError as err:
-        raise UserError(validation_message(err, "config")) from None
-    # the checks that need no file: a dry run, a job submission or a render refuses what the run would
-    from rlscale.data.presets import check_data_config
-
-    check_data_config(cfg.data)
-    check_reward_spec(cfg.rewards.function)
-    return cfg
-
-
 def iter_reference(model: type[BaseModel] = Config, prefix: str = ""):
-    """Yield (dotted key, default, description) for every leaf key: the README's reference."""
+    """Yield (dotted key, default, description) for every leaf key: docs/configuration.md's reference."""
     for name, field in model.model_fields.items():
         annotation = field.annotation
         key = f"{prefix}{name}"
@@ -643,7 +547,7 @@ def iter_reference(model: type[BaseModel] = Config, prefix: str = ""):
 
 
 def reference_table() -> str:
-    """The README's config reference, generated from the config classes."""
+    """docs/configuration.md's config reference, generated from the config classes."""
     lines = ["| key | default | meaning |", "|---|---|---|"]
     for key, default, description in iter_reference():
         shown = json.dumps(default) if not isinstance(default, tuple) else json.dumps(list(default))

@@ -1,18 +1,21 @@
 """The GRPO loop, top to bottom: generate, reward, advantages, train, validate, checkpoint, log.
 
 The controller owns the loop and small data (prompt texts, token ids, scores, metrics); the
-policy workers own the model, optimizer and activations.
+policy workers own the model, optimizer and activations. Read top down: `Run` and its loop, the
+step's parts, then `train`, which starts a run and wires its parts together, then what a run that
+runs out of memory reports. What a start finds in, and leaves in, the run and checkpoint
+directories (resume or start afresh, a finished run, config.yaml, summary.json) is
+rlscale/run_dir.py's.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import traceback
 from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,431 +23,25 @@ import torch
 from rlscale.ckpt import Checkpointer, SaveReport
 from rlscale.ckpt.faults import maybe_fault
 from rlscale.ckpt.layout import read_manifest
-from rlscale.ckpt.resume import ResumeChoice, choose as choose_resume, set_aside_newer
-from rlscale.config import Config, derive_sizes, flat_dict
+from rlscale.config import Config, derive_sizes
 from rlscale.data import PromptLoader, build_datasets
 from rlscale.errors import OOM_PHASES, OutOfMemory, UserError, advice_for, is_out_of_memory, out_of_memory
-from rlscale.fsutil import ensure_writable_dir, write_atomic
 from rlscale.evaluate import EvalResult, evaluate, is_correct
 from rlscale.grpo import carries_gradient, group_advantages
 from rlscale.preemption import EXIT_DEADLINE, Deadline, RunStopped, StopRequests, StopSignals, save_fits
 from rlscale.rewards import RewardScorer
+from rlscale.rollout.sampling import SamplingParams
+from rlscale.run_dir import (TrainerState, already_finished, check_fresh_start, finished_summary, new_run_dirs,
+                             prepare_run_dir, remove_if_empty, resume_choice, resume_or_start, write_start_files,
+                             write_summary)
 from rlscale.telemetry import ProgressDisplay, StepTimer, build_sinks, print_note
 from rlscale.telemetry.memory import largest_over_workers
 from rlscale.workers.batch import Rollouts, build_train_batch
 from rlscale.workers.group import LocalWorkerGroup, split_evenly
-from rlscale.workers.policy import PolicyWorker, SamplingParams
+from rlscale.workers.policy import PolicyWorker
 
 
-@dataclass
-class TrainerState:
-    """Everything the controller needs to continue a run exactly where it stopped."""
-
-    step: int = 0
-    loader: dict = field(default_factory=dict)
-    eval_before: dict | None = None
-    last_val: dict = field(default_factory=dict)
-    wall_s: float = 0.0
-
-
-def prepare_run_dir(cfg: Config) -> Path:
-    """Create the run directory and check it takes files (config.yaml is written after resuming)."""
-    return ensure_writable_dir(Path(cfg.logger.log_dir), "logger.log_dir")
-
-
-def sampling_params(cfg: Config, temperature: float | None = None) -> SamplingParams:
-    gen = cfg.policy.generation
-    return SamplingParams(
-        temperature=gen.temperature if temperature is None else temperature,
-        top_p=gen.top_p, top_k=gen.top_k, max_new_tokens=gen.max_new_tokens,
-        stop_strings=tuple(gen.stop_strings))
-
-
-def make_worker_group(cfg: Config):
-    """In-process for one worker (the laptop path); Ray actors for more, or on a cluster."""
-    world = derive_sizes(cfg).world_size
-    backend = cfg.cluster.backend
-    if backend == "auto":
-        backend = "local" if world == 1 and not (cfg.cluster.address or os.environ.get("RAY_ADDRESS")) else "ray"
-    if backend == "local":
-        if world > 1:
-            raise UserError(f"cluster.backend=local runs one worker, but cluster.num_nodes × "
-                            f"cluster.gpus_per_node = {world}; use cluster.backend=ray or auto")
-        return LocalWorkerGroup(lambda rank, size: PolicyWorker(cfg, rank, size), world)
-    from rlscale.workers.ray_group import RayWorkerGroup, cluster_has_gpus, connect
-
-    connect(cfg)
-    use_gpus = cfg.cluster.use_gpus
-    if use_gpus is None:
-        use_gpus = cfg.policy.device != "cpu" and cluster_has_gpus()
-    return RayWorkerGroup(cfg, use_gpus)
-
-
-def make_scorer(cfg: Config):
-    """A process pool beside the controller, or one per Ray actor across the cluster."""
-    r = cfg.rewards
-    if r.ray_actors == 0:
-        return RewardScorer(r.function, r.timeout_s, r.num_workers)
-    from rlscale.rewards.ray_pool import RayRewardPool
-    from rlscale.workers.ray_group import connect
-
-    connect(cfg)
-    return RayRewardPool(r.function, r.timeout_s, r.num_workers, r.ray_actors)
-
-
-def generate_rollouts(group, texts: list[str], params: SamplingParams) -> Rollouts:
-    """Every worker samples its slice of the prompts; results are concatenated in order."""
-    shards = split_evenly(texts, group.world_size)
-    parts = group.run_all("generate", [(shard, params, True) for shard in shards])  # the update follows
-    return Rollouts(*(sum((getattr(p, name) for p in parts), []) for name in
-                      ("prompt_ids", "response_ids", "texts", "truncated", "logprobs", "prompt_cut")))
-
-
-def train_on_rollouts(cfg: Config, group, rollouts: Rollouts, advantages: list[float], step: int,
-                      pad_id: int) -> dict[str, float]:
-    """Shuffle samples, cut them into optimizer steps, shard each step's trained samples over the
-    workers (samples without a gradient, see `carries_gradient`, only count in the normaliser)."""
-    sizes = derive_sizes(cfg)
-    generator = torch.Generator().manual_seed((cfg.grpo.seed * 100_003 + step) % 2**63)  # any seed in range
-    order = torch.randperm(len(advantages), generator=generator)
-    order = order.tolist()
-    trains = carries_gradient(advantages, cfg.loss.reference_policy_kl_penalty, cfg.loss.skip_zero_advantage)
-    gbs = cfg.policy.train_global_batch_size
-    per_worker: list[list] = [[] for _ in range(group.world_size)]
-    global_tokens, trained_tokens = [], []
-    for start in range(0, len(order), gbs):
-        chosen = order[start:start + gbs]
-        global_tokens.append(float(sum(len(rollouts.response_ids[i]) for i in chosen)))
-        trained = [i for i in chosen if trains[i]]  # split after the cut: the optimizer steps stay the same
-        trained_tokens.append(float(sum(len(rollouts.response_ids[i]) for i in trained)))
-        for rank, shard in enumerate(split_evenly(trained, group.world_size)):
-            per_worker[rank].append(build_train_batch(
-                [rollouts.prompt_ids[i] for i in shard], [rollouts.response_ids[i] for i in shard],
-                [advantages[i] for i in shard], pad_id, cfg.policy.max_total_sequence_length,
-                [rollouts.logprobs[i] for i in shard] if rollouts.logprobs else None))
-    results = group.run_all("train", [(steps, global_tokens, gbs, sizes.micro_batch_size, trained_tokens)
-                                      for steps in per_worker])
-    # each worker reports its share of a global mean, so the global value is their sum
-    memory = largest_over_workers(results)  # measured peaks per phase (CUDA only)
-    summed = {key: sum(r[key] for r in results) for key in results[0]
-              if key not in ("grad_norm", "lr") and key not in memory}
-    summed.update(grad_norm=results[0]["grad_norm"], lr=results[0]["lr"],
-                  skipped_fraction=1.0 - sum(trains) / max(len(trains), 1))
-    return {**{f"train/{k}": v for k, v in summed.items()}, **memory}
-
-
-def validate(cfg: Config, group, problems, scorer) -> EvalResult:
-    return evaluate(group, problems[: cfg.grpo.max_val_samples], scorer,
-                    sampling_params(cfg, temperature=cfg.grpo.val_temperature), k=1)
-
-
-# settings a resumed run is expected to change: the horizon, where and how it saves and logs
-_RESUME_MAY_CHANGE = ("grpo.max_num_steps", "checkpointing.", "logger.")
-
-
-def _saved_config(directory: Path) -> dict[str, object] | None:
-    """The config.yaml a run wrote into `directory` (a step, or a run dir), flattened; None if none."""
-    import yaml
-
-    try:
-        tree = yaml.safe_load((Path(directory) / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError):
-        return None
-    return flat_dict(tree) if isinstance(tree, dict) else None
-
-
-def config_differences(directory: Path, cfg: Config, shown: int = 4) -> str | None:
-    """The settings in which `cfg` differs from the config.yaml in `directory` (a step, or a run
-    dir), other than the horizon, saving and logging, as "key old -> new, ..."; None when there is
-    no such file or no difference."""
-    saved = _saved_config(directory)
-    if saved is None:
-        return None
-    now = flat_dict(cfg.to_dict())
-    # keys only one side has come from another rlscale version (an option added or removed), not
-    # from other settings
-    changed = [key for key in sorted(set(saved) & set(now))
-               if saved[key] != now[key] and not key.startswith(_RESUME_MAY_CHANGE)]
-    if not changed:
-        return None
-    listed = ", ".join(f"{key} {saved[key]!r} -> {now[key]!r}" for key in changed[:shown])
-    return listed + (f" (and {len(changed) - shown} more)" if len(changed) > shown else "")
-
-
-def config_changes(step_dir: Path, cfg: Config) -> str | None:
-    """A note naming the settings that differ from those the step was saved with, or None: a run
-    resumed with another batch size or model (the directory reused by another job, say) should
-    not pass unnoticed."""
-    changed = config_differences(step_dir, cfg)
-    return (f"resuming {Path(step_dir).name}, saved with other settings: {changed}; to start afresh "
-            "instead, give this run its own logger.log_dir") if changed else None
-
-
-def check_fresh_start(cfg: Config) -> None:
-    """A run that starts from scratch replaces its log dir's metrics and summary: refused when they
-    belong to a run with other settings (checkpointing off, or a run that never saved), which
-    would be lost. The same settings again is the same run starting over, and may."""
-    log_dir = Path(cfg.logger.log_dir)
-    metrics = log_dir / "metrics.jsonl"
-    if not (metrics.is_file() and metrics.stat().st_size > 0):
-        return
-    if not cfg.checkpointing.enabled and (_saved_config(log_dir) or {}).get("checkpointing.enabled"):
-        raise UserError(f"logger.log_dir {str(log_dir)!r} holds a checkpointed run and this run has "
-                        "checkpointing.enabled=false, so it would overwrite that run's metrics; resume it with "
-                        "checkpointing on, or give this run its own logger.log_dir")
-    changed = config_differences(log_dir, cfg)
-    if changed:
-        raise UserError(f"logger.log_dir {str(log_dir)!r} holds the metrics of a run with other settings ({changed}) "
-                        "and this run starts from scratch (no checkpoint to resume), so it would overwrite them; "
-                        "give this run its own logger.log_dir")
-
-
-def resume_or_start(choice: ResumeChoice | None, checkpointer: Checkpointer, group,
-                    loader: PromptLoader, cfg: Config) -> tuple[TrainerState, str | None, list[str]]:
-    """Restore the checkpoint `checkpointing.resume` picked (see rlscale/ckpt/resume.py; None:
-    checkpointing is off); returns the state, the step dir resumed from (None: a fresh start) and
-    lines worth telling the user."""
-    if choice is None:
-        return TrainerState(), None, []
-    if choice.path is None:
-        return TrainerState(), None, choice.notes()
-    state = TrainerState(**checkpointer.load(choice.path, group))
-    loader.load_state_dict(state.loader)
-    set_aside_newer(checkpointer.root, choice)  # only once the chosen step has loaded
-    changes = config_changes(choice.path, cfg)
-    return state, str(choice.path), choice.notes() + ([changes] if changes else [])
-
-
-def _remove_if_empty(directories: list[Path]) -> None:
-    for directory in directories:  # children first
-        try:
-            directory.rmdir()  # only ever removes an empty directory
-        except OSError:
-            pass
-
-
-def finished_summary(cfg: Config, choice: ResumeChoice | None) -> dict | None:
-    """The summary of a run that already ended at the checkpoint it would resume from: that step
-    reaches grpo.max_num_steps and the run's summary.json was written for it. None when work is
-    left (more steps, or the final validation). Decided from files alone, before any model loads."""
-    if choice is None or choice.path is None:
-        return None
-    step = (read_manifest(choice.path) or {}).get("step")
-    if step is None or step < cfg.grpo.max_num_steps:
-        return None
-    try:
-        summary = json.loads((Path(cfg.logger.log_dir) / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) and summary.get("final_step") == step else None
-
-
-def sample_metrics(rollouts: Rollouts, rewards: torch.Tensor, scores) -> dict[str, float]:
-    """What one step's samples say: rewards, accuracy, lengths."""
-    return {
-        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-        "accuracy": sum(map(is_correct, scores.rewards)) / len(scores.rewards),
-        "reward/timeouts": scores.num_timeouts, "reward/errors": scores.num_errors,
-        "grpo/zero_std_groups": float((rewards.std(dim=1) == 0).float().mean()),
-        "response/length_mean": sum(len(r) for r in rollouts.response_ids) / len(rollouts.response_ids),
-        "response/truncated_fraction": sum(rollouts.truncated) / len(rollouts.truncated),
-        "prompt/cut_fraction": sum(rollouts.prompt_cut) / max(len(rollouts.prompt_cut), 1),
-    }
-
-
-def prompt_cut_note(cfg: Config, step: int, rollouts: Rollouts) -> str:
-    room = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
-    return (f"step {step}: {sum(rollouts.prompt_cut)} of {len(rollouts.prompt_cut)} prompts were longer than the "
-            f"{room} tokens left for them (policy.max_total_sequence_length - policy.generation.max_new_tokens) "
-            "and lost their beginning; raise policy.max_total_sequence_length (metric prompt/cut_fraction)")
-
-
-def throughput_metrics(rollouts: Rollouts, step_s: float) -> dict[str, float]:
-    all_tokens = sum(len(r) for r in rollouts.response_ids) + sum(len(p) for p in rollouts.prompt_ids)
-    return {"time/step_s": step_s, "throughput/tokens_per_s": all_tokens / step_s}
-
-
-def _already_finished(cfg: Config, choice: ResumeChoice, finished: dict) -> dict:
-    """Nothing left to do: say so, load nothing, leave the run's files as they are."""
-    for note in choice.notes() + [f"the run in {cfg.logger.log_dir} finished at step {finished['final_step']} "
-                                  f"(grpo.max_num_steps={cfg.grpo.max_num_steps}); raise grpo.max_num_steps "
-                                  "to train on, or set logger.log_dir for a new run"]:
-        print_note(note)
-    return finished
-
-
-ERROR_LOG = "error.log"
-
-
-# an out-of-memory error's phase -> the memory plan's phases it spans (rlscale.memory_plan's names)
-_PLAN_PHASES = {"generation": ("generation",), "validation": ("generation",), "weight sync/gather": ("weight sync",),
-                "reference logprobs": ("logprobs",), "update": ("update", "optimizer step")}
-
-
-def planned_figures(plan) -> dict[str, int]:
-    """A memory plan's per-GPU bytes by phase, keyed by the phase names an out-of-memory error
-    reports (rlscale.errors.OOM_PHASES): what `train(cfg, planned=...)` takes. From
-    plan.phase_bytes(phase) where the plan has it, else from its phases (name, total), the
-    largest of those a phase spans (the update: its backward and its optimizer step)."""
-    if plan is None:
-        return {}
-    if hasattr(plan, "phase_bytes"):
-        figures = {phase: plan.phase_bytes(phase) for phase in OOM_PHASES}
-    else:
-        totals = {ph.name: ph.total for ph in getattr(plan, "phases", ())}
-        figures = {phase: max((totals[n] for n in names if n in totals), default=None)
-                   for phase, names in _PLAN_PHASES.items()}
-    return {phase: int(size) for phase, size in figures.items() if size is not None}
-
-
-@dataclass
-class RunPosition:
-    """Where a run is, for an error that ends it: the step under way (or last finished)."""
-
-    step: int | None = None
-
-
-def train(cfg: Config, planned: dict[str, int] | None = None) -> dict:
-    """Run (or resume) a GRPO training run; returns the summary written to summary.json.
-
-    The memory plan (rlscale.memory_plan) is made first: it sets what the user left to it and
-    refuses, in one line, a run that cannot fit. planned: the bytes per phase quoted when the run
-    runs out of memory (default: the plan's, see planned_figures). Running out of memory anywhere (a worker, this process) ends the run, after the
-    same cleanup as any error (a save in flight commits or is left as tmp_step_N/), with an
-    rlscale.errors.OutOfMemory: one line naming the phase, the step, the figures and what to
-    change; the tracebacks go to <logger.log_dir>/error.log."""
-    from rlscale import memory_plan
-
-    cfg, plan = memory_plan.resolve(cfg)  # before anything loads; a run that cannot fit stops here
-    planned = planned if planned is not None else planned_figures(plan)
-    position = RunPosition()
-    try:
-        return _train(cfg, position, plan)
-    except OutOfMemory as exc:
-        _finish_out_of_memory(exc, cfg, planned, position)
-        raise
-    except (RuntimeError, MemoryError) as exc:  # in this process, outside any worker call
-        if not is_out_of_memory(exc):
-            raise
-        converted = out_of_memory(exc)  # its traceback as text: the original's frames may go
-    raise _finish_out_of_memory(converted, cfg, planned, position)
-
-
-def _finish_out_of_memory(exc: OutOfMemory, cfg: Config, planned: dict[str, int] | None,
-                          position: RunPosition) -> OutOfMemory:
-    """The step, the plan's figure and the advice for the phase; the tracebacks logged."""
-    if exc.step is None:
-        exc.step = position.step
-    exc.planned = (planned or {}).get(exc.phase)
-    exc.advice = advice_for(exc.phase, cfg, host=exc.host)
-    exc.log_path = write_error_log(Path(cfg.logger.log_dir), exc)
-    return exc
-
-
-def write_error_log(run_dir: Path, exc: BaseException) -> str | None:
-    """Append the time, the error's line and its tracebacks (where it happened, in a worker too,
-    and in the controller) to <run_dir>/error.log; returns the path, None if it cannot be written
-    (the line is printed all the same)."""
-    path = Path(run_dir) / ERROR_LOG
-    previous, exc.log_path = getattr(exc, "log_path", None), str(path)  # the line names the log
-    stamp = datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
-    parts = [f"===== {stamp} pid {os.getpid()}\n", f"rlscale: error: {exc}\n"]
-    if isinstance(exc, OutOfMemory):
-        parts.append(f"bytes allocated {exc.allocated}, peak {exc.peak}, total {exc.total} on {exc.device}; "
-                     f"planned {exc.planned}; the error: {exc.message}\n")
-    remote = getattr(exc, "traceback_text", "")
-    if remote:
-        rank = getattr(exc, "rank", None)
-        where = f" (worker rank {rank})" if rank is not None else ""
-        parts.append(f"where the memory ran out{where}:\n{remote.rstrip()}\n")
-    parts.append("in the controller:\n" + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as handle:
-            handle.write("".join(parts) + "\n")
-    except OSError:
-        exc.log_path = previous
-        return None
-    return str(path)
-
-
-def _train(cfg: Config, position: RunPosition, plan=None) -> dict:
-    started = time.perf_counter()
-    # said once the run starts (with a budget: a verdict and picks; without one, --dry-run shows it)
-    from rlscale.memory_plan import summary_line
-
-    plan_line = summary_line(plan) if plan is not None and plan.budget is not None else None
-    # which checkpoint to resume from (only reads): a wrong checkpointing.resume fails here
-    choice = choose_resume(cfg.checkpoint_dir, cfg.checkpointing.resume, cfg.checkpointing.verify_checksums) \
-        if cfg.checkpointing.enabled else None
-    finished = finished_summary(cfg, choice)
-    if finished is not None:
-        return _already_finished(cfg, choice, finished)
-    if choice is None or choice.path is None:
-        check_fresh_start(cfg)
-    # Check the inputs (data, reward function) before writing anything, the directories before
-    # the slow model load, and touch the run's files only once the model and checkpoint loaded.
-    datasets = build_datasets(cfg.data, cfg.grpo.seed)
-    loader = PromptLoader(datasets.train, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
-    with ExitStack() as cleanup:
-        scorer = cleanup.enter_context(make_scorer(cfg))
-        # directories this run creates are removed again if it ends before putting a file in them
-        # (the model failed to load, say); the last callback to run, so after the lock file goes
-        new_dirs = [d for d in (cfg.checkpoint_dir, Path(cfg.logger.log_dir)) if not d.exists()]
-        cleanup.callback(_remove_if_empty, new_dirs)
-        run_dir = prepare_run_dir(cfg)
-        checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
-        if cfg.checkpointing.enabled:
-            waited = checkpointer.prepare(notify=print_note)
-            cleanup.callback(checkpointer.release)  # also when the model fails to load
-            if waited:  # the run that held the directory may have saved (or finished) meanwhile
-                choice = choose_resume(cfg.checkpoint_dir, cfg.checkpointing.resume,
-                                       cfg.checkpointing.verify_checksums)
-                finished = finished_summary(cfg, choice)
-                if finished is not None:
-                    return _already_finished(cfg, choice, finished)
-        group = make_worker_group(cfg)
-        requests = StopRequests.from_env()  # worker pods waiting for this driver to save
-        cleanup.callback(requests.acknowledge)  # last of all: a hook that began while the workers shut down
-        cleanup.callback(group.shutdown)
-        requests.watch(group.run_all("hostname"))  # only this run's pods: a cluster may run other jobs
-        cleanup.callback(requests.acknowledge)  # however the run ends, once its saves are in: they may go
-        state, resumed_from, notes = resume_or_start(choice, checkpointer, group, loader, cfg)
-        cleanup.callback(checkpointer.close)  # runs before shutdown: in-flight saves finish first
-        sinks = build_sinks(run_dir, cfg.logger.tensorboard_enabled, cfg.logger.wandb_enabled,
-                            resumed_step=state.step if resumed_from else None,
-                            prometheus_port=cfg.logger.prometheus_port, config=cfg,
-                            resumed_row=(read_manifest(Path(resumed_from)) or {}).get("metrics")
-                            if resumed_from else None)
-        cleanup.callback(sinks.close)
-        # only once every sink opened (a port in use, a missing package): a start that fails leaves
-        # the run dir as it was. Work is left: an older summary here (a shorter run, or the steps
-        # this one takes again) must not pass for this run's if it stops before writing its own
-        (run_dir / "summary.json").unlink(missing_ok=True)
-        write_atomic(run_dir / "config.yaml", cfg.to_yaml())
-        if plan is not None and plan.phases:  # beside the measured memory/*_peak_gb (rlscale bench mem)
-            write_atomic(run_dir / "memory_plan.json", json.dumps(plan.as_dict(), indent=2) + "\n")
-        # SIGTERM/SIGINT, or a worker pod's stop request: save, then RunStopped
-        signals = cleanup.enter_context(StopSignals(requests))
-        run = Run(cfg, group, scorer, checkpointer, sinks, loader, datasets.val, state,
-                  signals, Deadline(cfg.checkpointing.must_save_by_s(), started), position)
-        with ProgressDisplay(cfg.grpo.max_num_steps, state.step, cfg.logger.progress) as progress:
-            for note in [plan_line] * bool(plan_line) + notes + sinks.notes():
-                progress.print(note)
-            eval_after = run.loop(progress, resumed_from)
-        state.wall_s = run.wall_before + time.perf_counter() - started
-        summary = {
-            "final_step": state.step,
-            "steps_run": state.step - run.start_step,
-            "resumed_from": resumed_from,
-            "wall_s": round(state.wall_s, 3),
-            "eval": {"before": _strip(state.eval_before), "after": _strip(eval_after)},
-            "checkpoint_dir": str(cfg.checkpoint_dir) if cfg.checkpointing.enabled else None,
-        }
-        # written while this run still holds the directory (the loop has waited for its last save):
-        # a run waiting for the claim must find the summary when it gets it
-        write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    return summary
+# ------------------------------------------------------------------ the loop
 
 
 class Run:
@@ -517,8 +114,7 @@ class Run:
                     state.last_val = self.validate()
                     self.val_step = step
                 metrics.update(state.last_val)
-            if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0
-                                              or step == cfg.grpo.max_num_steps):
+            if self.checkpointer.saves_at(step, cfg.grpo.max_num_steps):
                 with timer.section("checkpoint"):
                     metrics.update(self.save(metrics))
             for committed in self.checkpointer.poll():  # saves whose background persist has finished
@@ -616,6 +212,88 @@ class Run:
                          code)  # the CLI prints it as its last line
 
 
+# ------------------------------------------------------------------ the step's parts
+
+
+def sampling_params(cfg: Config, temperature: float | None = None) -> SamplingParams:
+    gen = cfg.policy.generation
+    return SamplingParams(
+        temperature=gen.temperature if temperature is None else temperature,
+        top_p=gen.top_p, top_k=gen.top_k, max_new_tokens=gen.max_new_tokens,
+        stop_strings=tuple(gen.stop_strings))
+
+
+def generate_rollouts(group, texts: list[str], params: SamplingParams) -> Rollouts:
+    """Every worker samples its slice of the prompts; results are concatenated in order."""
+    shards = split_evenly(texts, group.world_size)
+    parts = group.run_all("generate", [(shard, params, True) for shard in shards])  # the update follows
+    return Rollouts(*(sum((getattr(p, name) for p in parts), []) for name in
+                      ("prompt_ids", "response_ids", "texts", "truncated", "logprobs", "prompt_cut")))
+
+
+def train_on_rollouts(cfg: Config, group, rollouts: Rollouts, advantages: list[float], step: int,
+                      pad_id: int) -> dict[str, float]:
+    """Shuffle samples, cut them into optimizer steps, shard each step's trained samples over the
+    workers (samples without a gradient, see `carries_gradient`, only count in the normaliser)."""
+    sizes = derive_sizes(cfg)
+    generator = torch.Generator().manual_seed((cfg.grpo.seed * 100_003 + step) % 2**63)  # any seed in range
+    order = torch.randperm(len(advantages), generator=generator)
+    order = order.tolist()
+    trains = carries_gradient(advantages, cfg.loss.reference_policy_kl_penalty, cfg.loss.skip_zero_advantage)
+    gbs = cfg.policy.train_global_batch_size
+    per_worker: list[list] = [[] for _ in range(group.world_size)]
+    global_tokens, trained_tokens = [], []
+    for start in range(0, len(order), gbs):
+        chosen = order[start:start + gbs]
+        global_tokens.append(float(sum(len(rollouts.response_ids[i]) for i in chosen)))
+        trained = [i for i in chosen if trains[i]]  # split after the cut: the optimizer steps stay the same
+        trained_tokens.append(float(sum(len(rollouts.response_ids[i]) for i in trained)))
+        for rank, shard in enumerate(split_evenly(trained, group.world_size)):
+            per_worker[rank].append(build_train_batch(
+                [rollouts.prompt_ids[i] for i in shard], [rollouts.response_ids[i] for i in shard],
+                [advantages[i] for i in shard], pad_id, cfg.policy.max_total_sequence_length,
+                [rollouts.logprobs[i] for i in shard] if rollouts.logprobs else None))
+    results = group.run_all("train", [(steps, global_tokens, gbs, sizes.micro_batch_size, trained_tokens)
+                                      for steps in per_worker])
+    # each worker reports its share of a global mean, so the global value is their sum
+    memory = largest_over_workers(results)  # measured peaks per phase (CUDA only)
+    summed = {key: sum(r[key] for r in results) for key in results[0]
+              if key not in ("grad_norm", "lr") and key not in memory}
+    summed.update(grad_norm=results[0]["grad_norm"], lr=results[0]["lr"],
+                  skipped_fraction=1.0 - sum(trains) / max(len(trains), 1))
+    return {**{f"train/{k}": v for k, v in summed.items()}, **memory}
+
+
+def validate(cfg: Config, group, problems, scorer) -> EvalResult:
+    return evaluate(group, problems[: cfg.grpo.max_val_samples], scorer,
+                    sampling_params(cfg, temperature=cfg.grpo.val_temperature), k=1)
+
+
+def sample_metrics(rollouts: Rollouts, rewards: torch.Tensor, scores) -> dict[str, float]:
+    """What one step's samples say: rewards, accuracy, lengths."""
+    return {
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "accuracy": sum(map(is_correct, scores.rewards)) / len(scores.rewards),
+        "reward/timeouts": scores.num_timeouts, "reward/errors": scores.num_errors,
+        "grpo/zero_std_groups": float((rewards.std(dim=1) == 0).float().mean()),
+        "response/length_mean": sum(len(r) for r in rollouts.response_ids) / len(rollouts.response_ids),
+        "response/truncated_fraction": sum(rollouts.truncated) / len(rollouts.truncated),
+        "prompt/cut_fraction": sum(rollouts.prompt_cut) / max(len(rollouts.prompt_cut), 1),
+    }
+
+
+def prompt_cut_note(cfg: Config, step: int, rollouts: Rollouts) -> str:
+    room = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
+    return (f"step {step}: {sum(rollouts.prompt_cut)} of {len(rollouts.prompt_cut)} prompts were longer than the "
+            f"{room} tokens left for them (policy.max_total_sequence_length - policy.generation.max_new_tokens) "
+            "and lost their beginning; raise policy.max_total_sequence_length (metric prompt/cut_fraction)")
+
+
+def throughput_metrics(rollouts: Rollouts, step_s: float) -> dict[str, float]:
+    all_tokens = sum(len(r) for r in rollouts.response_ids) + sum(len(p) for p in rollouts.prompt_ids)
+    return {"time/step_s": step_s, "throughput/tokens_per_s": all_tokens / step_s}
+
+
 @contextmanager
 def _relabel_out_of_memory(phase: str, instead: str):
     try:
@@ -626,8 +304,217 @@ def _relabel_out_of_memory(phase: str, instead: str):
         raise
 
 
-def _strip(val_metrics: dict | None) -> dict | None:
-    """{'val/accuracy': x, ...} -> {'accuracy': x, ...} for summary.json."""
-    if val_metrics is None:
+# ------------------------------------------------------------------ starting a run
+
+
+@dataclass
+class RunPosition:
+    """Where a run is, for an error that ends it: the step under way (or last finished)."""
+
+    step: int | None = None
+
+
+def train(cfg: Config, planned: dict[str, int] | None = None) -> dict:
+    """Run (or resume) a GRPO training run; returns the summary written to summary.json.
+
+    The memory plan (rlscale.memory_plan) is made first: it sets what the user left to it and
+    refuses, in one line, a run that cannot fit. planned: the bytes per phase quoted when the run
+    runs out of memory (default: the plan's, see planned_figures). Running out of memory anywhere (a worker, this process) ends the run, after the
+    same cleanup as any error (a save in flight commits or is left as tmp_step_N/), with an
+    rlscale.errors.OutOfMemory: one line naming the phase, the step, the figures and what to
+    change; the tracebacks go to <logger.log_dir>/error.log."""
+    from rlscale import memory_plan
+
+    cfg, plan = memory_plan.resolve(cfg)  # before anything loads; a run that cannot fit stops here
+    planned = planned if planned is not None else planned_figures(plan)
+    position = RunPosition()
+    try:
+        return _train(cfg, position, plan)
+    except OutOfMemory as exc:
+        _finish_out_of_memory(exc, cfg, planned, position)
+        raise
+    except (RuntimeError, MemoryError) as exc:  # in this process, outside any worker call
+        if not is_out_of_memory(exc):
+            raise
+        converted = out_of_memory(exc)  # its traceback as text: the original's frames may go
+    raise _finish_out_of_memory(converted, cfg, planned, position)
+
+
+def _train(cfg: Config, position: RunPosition, plan=None) -> dict:
+    """Start (or resume) the run and drive its loop; see `train`.
+
+    The exits of `cleanup` run in the reverse order of their registration, and that order is
+    deliberate (last to first): the stop signals are restored, the sinks close, the checkpointer
+    waits for the save in flight to commit, the pods' stop requests are acknowledged, the workers
+    shut down, the requests are acknowledged again, the directory lock goes, the directories this
+    run made and left empty go, the scorer closes."""
+    started = time.perf_counter()
+    # said once the run starts (with a budget: a verdict and picks; without one, --dry-run shows it)
+    from rlscale.memory_plan import summary_line
+
+    plan_line = summary_line(plan) if plan is not None and plan.budget is not None else None
+    # which checkpoint to resume from (only reads): a wrong checkpointing.resume fails here
+    choice = resume_choice(cfg)
+    finished = finished_summary(cfg, choice)
+    if finished is not None:
+        return already_finished(cfg, choice, finished)
+    if choice is None or choice.path is None:
+        check_fresh_start(cfg)
+    # Check the inputs (data, reward function) before writing anything, the directories before
+    # the slow model load, and touch the run's files only once the model and checkpoint loaded.
+    datasets = build_datasets(cfg.data, cfg.grpo.seed)
+    loader = PromptLoader(datasets.train, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
+    with ExitStack() as cleanup:
+        scorer = cleanup.enter_context(make_scorer(cfg))
+        # directories this run creates are removed again if it ends before putting a file in them
+        # (the model failed to load, say); the last callback to run, so after the lock file goes
+        cleanup.callback(remove_if_empty, new_run_dirs(cfg))
+        run_dir = prepare_run_dir(cfg)
+        checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, cfg.to_yaml(), cfg.digest())
+        if cfg.checkpointing.enabled:
+            waited = checkpointer.prepare(notify=print_note)
+            cleanup.callback(checkpointer.release)  # also when the model fails to load
+            if waited:
+                # Choose again, on purpose: the choice above was made before this run held the
+                # directory, and the run that held it (on another node, a retried job) may have
+                # saved a newer step meanwhile (resume from that one, not the older) or finished
+                # (train nothing again). Tests: tests/ckpt/test_controller.py::
+                # test_a_run_that_waited_for_the_directory_chooses_its_resume_step_again, and
+                # tests/ckpt/test_failures.py::test_a_run_that_waited_for_the_claim_is_told_so (the wait).
+                choice = resume_choice(cfg)
+                finished = finished_summary(cfg, choice)
+                if finished is not None:
+                    return already_finished(cfg, choice, finished)
+        group = make_worker_group(cfg)
+        requests = StopRequests.from_env()  # worker pods waiting for this driver to save
+        # Acknowledged twice, on purpose. This one, registered before group.shutdown, runs after
+        # it, last of the two: a pod's stop hook that began while the workers shut down (after the
+        # acknowledgement below had run) is released too, instead of waiting out its timeout.
+        cleanup.callback(requests.acknowledge)
+        cleanup.callback(group.shutdown)
+        requests.watch(group.run_all("hostname"))  # only this run's pods: a cluster may run other jobs
+        # This one runs before group.shutdown and after checkpointer.close (registered below): however
+        # the run ends, once its saves are in, the pods that asked to stop may go at once.
+        cleanup.callback(requests.acknowledge)
+        state, resumed_from, notes = resume_or_start(choice, checkpointer, group, loader, cfg)
+        cleanup.callback(checkpointer.close)  # runs before shutdown: in-flight saves finish first
+        sinks = build_sinks(run_dir, cfg.logger.tensorboard_enabled, cfg.logger.wandb_enabled,
+                            resumed_step=state.step if resumed_from else None,
+                            prometheus_port=cfg.logger.prometheus_port, config=cfg,
+                            resumed_row=(read_manifest(Path(resumed_from)) or {}).get("metrics")
+                            if resumed_from else None)
+        cleanup.callback(sinks.close)
+        # only once every sink opened (a port in use, a missing package): a start that fails leaves
+        # the run dir as it was (the older summary.json goes, config.yaml and memory_plan.json come)
+        write_start_files(run_dir, cfg, plan)
+        # SIGTERM/SIGINT, or a worker pod's stop request: save, then RunStopped
+        signals = cleanup.enter_context(StopSignals(requests))
+        run = Run(cfg, group, scorer, checkpointer, sinks, loader, datasets.val, state,
+                  signals, Deadline(cfg.checkpointing.must_save_by_s(), started), position)
+        with ProgressDisplay(cfg.grpo.max_num_steps, state.step, cfg.logger.progress) as progress:
+            for note in [plan_line] * bool(plan_line) + notes + sinks.notes():
+                progress.print(note)
+            eval_after = run.loop(progress, resumed_from)
+        state.wall_s = run.wall_before + time.perf_counter() - started
+        # written while this run still holds the directory (the loop has waited for its last save):
+        # a run waiting for the claim must find the summary when it gets it
+        summary = write_summary(run_dir, cfg, state, run.start_step, resumed_from, eval_after)
+    return summary
+
+
+def make_worker_group(cfg: Config):
+    """In-process for one worker (the laptop path); Ray actors for more, or on a cluster."""
+    world = derive_sizes(cfg).world_size
+    backend = cfg.cluster.backend
+    if backend == "auto":
+        backend = "local" if world == 1 and not (cfg.cluster.address or os.environ.get("RAY_ADDRESS")) else "ray"
+    if backend == "local":
+        if world > 1:
+            raise UserError(f"cluster.backend=local runs one worker, but cluster.num_nodes × "
+                            f"cluster.gpus_per_node = {world}; use cluster.backend=ray or auto")
+        return LocalWorkerGroup(lambda rank, size: PolicyWorker(cfg, rank, size), world)
+    from rlscale.ray_runtime import cluster_has_gpus, start_ray
+    from rlscale.workers.ray_group import RayWorkerGroup
+
+    start_ray(cfg)
+    use_gpus = cfg.cluster.use_gpus
+    if use_gpus is None:
+        use_gpus = cfg.policy.device != "cpu" and cluster_has_gpus()
+    return RayWorkerGroup(cfg, use_gpus)
+
+
+def make_scorer(cfg: Config):
+    """A process pool beside the controller, or one per Ray actor across the cluster."""
+    r = cfg.rewards
+    if r.ray_actors == 0:
+        return RewardScorer(r.function, r.timeout_s, r.num_workers)
+    from rlscale.rewards.ray_pool import RayRewardPool
+    from rlscale.ray_runtime import start_ray
+
+    start_ray(cfg)
+    return RayRewardPool(r.function, r.timeout_s, r.num_workers, r.ray_actors)
+
+
+# ------------------------------------------------------------------ running out of memory
+
+
+ERROR_LOG = "error.log"
+
+
+# an out-of-memory error's phase -> the memory plan's phases it spans (rlscale.memory_plan's names)
+_PLAN_PHASES = {"generation": ("generation",), "validation": ("generation",), "weight sync/gather": ("weight sync",),
+                "reference logprobs": ("logprobs",), "update": ("update", "optimizer step")}
+
+
+def planned_figures(plan) -> dict[str, int]:
+    """A memory plan's per-GPU bytes by phase, keyed by the phase names an out-of-memory error
+    reports (rlscale.errors.OOM_PHASES): what `train(cfg, planned=...)` takes. From
+    plan.phase_bytes(phase) where the plan has it, else from its phases (name, total), the
+    largest of those a phase spans (the update: its backward and its optimizer step)."""
+    if plan is None:
+        return {}
+    if hasattr(plan, "phase_bytes"):
+        figures = {phase: plan.phase_bytes(phase) for phase in OOM_PHASES}
+    else:
+        totals = {ph.name: ph.total for ph in getattr(plan, "phases", ())}
+        figures = {phase: max((totals[n] for n in names if n in totals), default=None)
+                   for phase, names in _PLAN_PHASES.items()}
+    return {phase: int(size) for phase, size in figures.items() if size is not None}
+
+
+def _finish_out_of_memory(exc: OutOfMemory, cfg: Config, planned: dict[str, int] | None,
+                          position: RunPosition) -> OutOfMemory:
+    """The step, the plan's figure and the advice for the phase; the tracebacks logged."""
+    if exc.step is None:
+        exc.step = position.step
+    exc.planned = (planned or {}).get(exc.phase)
+    exc.advice = advice_for(exc.phase, cfg, host=exc.host)
+    exc.log_path = write_error_log(Path(cfg.logger.log_dir), exc)
+    return exc
+
+
+def write_error_log(run_dir: Path, exc: BaseException) -> str | None:
+    """Append the time, the error's line and its tracebacks (where it happened, in a worker too,
+    and in the controller) to <run_dir>/error.log; returns the path, None if it cannot be written
+    (the line is printed all the same)."""
+    path = Path(run_dir) / ERROR_LOG
+    previous, exc.log_path = getattr(exc, "log_path", None), str(path)  # the line names the log
+    stamp = datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
+    parts = [f"===== {stamp} pid {os.getpid()}\n", f"rlscale: error: {exc}\n"]
+    if isinstance(exc, OutOfMemory):
+        parts.append(f"bytes allocated {exc.allocated}, peak {exc.peak}, total {exc.total} on {exc.device}; "
+                     f"planned {exc.planned}; the error: {exc.message}\n")
+    remote = getattr(exc, "traceback_text", "")
+    if remote:
+        rank = getattr(exc, "rank", None)
+        where = f" (worker rank {rank})" if rank is not None else ""
+        parts.append(f"where the memory ran out{where}:\n{remote.rstrip()}\n")
+    parts.append("in the controller:\n" + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write("".join(parts) + "\n")
+    except OSError:
+        exc.log_path = previous
         return None
-    return {key.split("/", 1)[1]: value for key, value in val_metrics.items()}
+    return str(path)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from rlscale.data import Problem
 from rlscale.workers.group import split_evenly
-from rlscale.workers.policy import SamplingParams
+from rlscale.rollout.sampling import SamplingParams
 
 
 @dataclass

@@ -17,7 +17,8 @@ runs on the head; its preStop hook (`rlscale.cluster.render.WORKER_PRE_STOP`) in
 request file in a directory on the shared volume (RLSCALE_STOP_REQUESTS) and waits. The driver
 reads it at the same safe points as a signal (`StopRequests`), saves, and removes the request once
 the save has committed; the hook then returns and the pod stops, its GPU worker having taken part
-in the save. Exit code 143, as for SIGTERM.
+in the save. Exit code 143, as for SIGTERM. Which nodes are still in the Ray cluster is asked of
+rlscale/ray_runtime.py: this module imports no Ray.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable
+
+from rlscale.ray_runtime import ray_node_alive  # which pods' nodes are still in the Ray cluster
 
 EXIT_SIGTERM = 128 + signal.SIGTERM
 EXIT_SIGINT = 128 + signal.SIGINT
@@ -46,16 +49,6 @@ class RunStopped(Exception):
 
 
 STOP_REQUESTS_ENV = "RLSCALE_STOP_REQUESTS"
-
-
-def ray_node_alive(hostname: str) -> bool:
-    """Whether a live node of this process's Ray cluster runs on `hostname` (a pod's name); True
-    outside Ray (nothing to check against)."""
-    import ray
-
-    if not ray.is_initialized():
-        return True
-    return any(node.get("Alive") and node.get("NodeManagerHostname") == hostname for node in ray.nodes())
 
 
 def _remove(path: Path) -> None:

@@ -8,7 +8,8 @@ import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from rlscale.config import Config, derive_sizes, iter_reference, load_config, parse_override, read_yaml_mapping
+from rlscale.config import Config, derive_sizes, iter_reference
+from rlscale.config_loading import load_config, parse_override, read_yaml_mapping
 from rlscale.errors import UserError, validation_message
 from tests.integration.helpers import SEED_OVERRIDES
 
@@ -120,6 +121,22 @@ def test_errors_name_the_key(overrides, message):
     text = str(caught.value)
     assert text.startswith(message), text
     assert "\n" not in text
+
+
+def test_the_removed_decode_span_bucket_is_refused_in_one_line_naming_it(tmp_path):
+    removed = ("config key 'policy.generation': policy.generation.decode_span_bucket was removed: the compiled "
+               "decode graph replaced it (flex attention reads only each sequence's live cache blocks); drop the key")
+    with pytest.raises(UserError) as caught:
+        load_config(None, ["policy.generation.decode_span_bucket=64"])
+    assert str(caught.value) == removed
+    path = tmp_path / "spans.yaml"
+    path.write_text("policy:\n  generation:\n    decode_span_bucket: 64\n")
+    with pytest.raises(UserError) as caught:
+        load_config(path)
+    assert str(caught.value) == removed
+    # its old default, in every older run's resolved config.yaml, is what the engine does now
+    path.write_text("policy:\n  generation:\n    decode_span_bucket: null\n")
+    assert "decode_span_bucket" not in load_config(path).to_dict()["policy"]["generation"]
 
 
 def test_bad_files_are_user_errors(tmp_path):

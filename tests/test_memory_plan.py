@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from rlscale import memory_plan as mp
-from rlscale.config import load_config
+from rlscale.config_loading import load_config
 from tests.integration.helpers import SEED_OVERRIDES
 
 GB = 1e9

@@ -290,7 +290,7 @@ def bench_grpo_overhead(worker, directory: Path, steps: int, overrides: list[str
     """Mean GRPO step time with a save every step against the same run without checkpoints.
     The policy is the benchmark's model; the first step of each run is left out (warm-up, and
     the staging buffers' allocation). Rewards: rlscale.bench.rewards:parity."""
-    from rlscale.config import load_config
+    from rlscale.config_loading import load_config
     from rlscale.controller import train
 
     model_dir = directory / "grpo-model"

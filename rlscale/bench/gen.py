@@ -10,8 +10,6 @@ variant (EOS ignored, so every sequence decodes exactly `new_tokens`):
   `rlscale train` runs it, and with the two HF variants the default set (DEFAULT_VARIANTS);
 - engine_sdpa: compiled, with decode attention through torch SDPA (cuDNN) instead;
 - engine_matmul: compiled, with decode attention as two batched matmuls;
-- engine_spans: compiled, each decode step attending to the live prefix of the cache in
-  64-position spans (policy.generation.decode_span_bucket=64) instead of the whole cache;
 - engine_eager: the engine without graphs (what the graphs buy).
 Warm-up (compilation, graph capture) runs before the timed repetitions and is reported apart.
 The bandwidth bound: every decode step must read all weights once plus each sequence's keys and
@@ -38,7 +36,6 @@ ENGINE_VARIANTS = {
     "engine_compiled": {"compiled": True},
     "engine_sdpa": {"compiled": True, "attention": "sdpa"},
     "engine_matmul": {"compiled": True, "attention": "matmul"},
-    "engine_spans": {"compiled": True, "spans": True},
     "engine_autotune": {"compiled": True, "compile_mode": "max-autotune-no-cudagraphs"},
     "engine_flex_defaults": {"compiled": True, "flex_kernel_options": {}},
     "engine_eager": {"graphs": False},
@@ -89,15 +86,14 @@ def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, static: bool):
 
 
 def _engine_generate(model, prompts: torch.Tensor, new_tokens: int, graphs: bool = True, compiled: bool = False,
-                     attention: str = "auto", spans: bool = False, compile_mode: str | None = None,
+                     attention: str = "auto", compile_mode: str | None = None,
                      flex_kernel_options: dict | None = None):
     from rlscale.rollout import RolloutEngine, SamplingMode
-    from rlscale.rollout.engine import DECODE_SPAN_BUCKET
 
     engine = RolloutEngine(model, prompts.device, model.dtype, max_length=prompts.shape[1] + new_tokens + 64,
                            use_cuda_graphs=graphs and prompts.device.type == "cuda", compile_decode=compiled,
-                           decode_attention=attention, decode_span_bucket=DECODE_SPAN_BUCKET if spans else None,
-                           compile_mode=compile_mode, flex_kernel_options=flex_kernel_options)
+                           decode_attention=attention, compile_mode=compile_mode,
+                           flex_kernel_options=flex_kernel_options)
     rows = prompts.tolist()
     return lambda: engine.generate(rows, new_tokens, SamplingMode(1.0), eos_ids=[1], pad_id=0, ignore_eos=True)
 

@@ -157,7 +157,7 @@ def run_hf(model_dir: Path, variant: str, batch, micro: int, device, dtype, warm
 
 def run_rlscale(model_dir: Path, variant: str, batch, micro_tokens: int, device, warmup: int, reps: int,
                 seq_len: int, check_against_hf: bool) -> dict:
-    from rlscale.config import load_config
+    from rlscale.config_loading import load_config
     from rlscale.workers.policy import PolicyWorker
 
     samples = len(batch)

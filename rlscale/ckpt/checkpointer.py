@@ -109,6 +109,11 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ saving
 
+    def saves_at(self, step: int, last_step: int) -> bool:
+        """Whether the loop saves once `step` is done: every checkpointing.save_period steps and
+        at the run's last step (`last_step`, grpo.max_num_steps); never with checkpointing off."""
+        return self.settings.enabled and (step % self.settings.save_period == 0 or step == last_step)
+
     def save(self, step: int, group, trainer_state: dict, metrics: dict[str, float]) -> SaveReport:
         """Snapshot every worker and start the persist; returns once the loop may go on (with
         async_save off, once committed). Raises the error of an earlier save that failed."""

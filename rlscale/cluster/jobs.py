@@ -1,5 +1,7 @@
 """`rlscale job`: run `rlscale train` on a Ray cluster through the Ray Jobs API.
 
+It imports Ray for the Jobs API's client (and Ray's upload rules and errors); it starts no Ray here.
+
 The seed submits with `ray job submit --working-dir . --runtime-env ray_runtime_env.json -- bash
 run.sh`, its tokens written in plain text into that JSON file. Here:
 
@@ -153,7 +155,7 @@ def _ray_errors(address: str, job_id: str | None = None):
         raise
 
 
-def connect(address: str | None = None, token: str | None = None):
+def job_client(address: str | None = None, token: str | None = None):
     """A JobSubmissionClient for the dashboard at `address` (checked reachable)."""
     from ray.job_submission import JobSubmissionClient
 
@@ -300,7 +302,7 @@ def build_submission(working_dir: Path, config: Path | None, overrides: list[str
     """The entrypoint, runtime env and metadata of `rlscale job submit` (checked for secrets).
     pip: packages Ray installs for the job (e.g. an rlscale wheel on the shared volume, when the
     image lacks it)."""
-    from rlscale.config import load_config
+    from rlscale.config_loading import load_config
 
     working_dir = Path(working_dir)
     if not working_dir.is_dir():
@@ -376,7 +378,7 @@ def build_submission(working_dir: Path, config: Path | None, overrides: list[str
 
 def _placement_notes(config: Path | None, overrides: list[str]) -> list[str]:
     """Where a relative run directory ends up on the cluster, said before it surprises anyone."""
-    from rlscale.config import load_config
+    from rlscale.config_loading import load_config
 
     cfg = load_config(config, overrides)
     if not cfg.checkpointing.enabled or Path(cfg.checkpoint_dir).is_absolute():
@@ -489,7 +491,7 @@ def submit_cmd(
                   if present else ""), err=True)  # notes on stderr, like the one below; stdout: the job
     for note in _placement_notes(config, list(overrides or [])):
         typer.echo(f"note: {note}", err=True)
-    url, client = connect(address, token)
+    url, client = job_client(address, token)
     # Ray warns that it skips .git/.venv by default; rlscale excludes them anyway.
     logging.getLogger("ray._private.runtime_env.working_dir").setLevel(logging.ERROR)
     job_id = submit_when_ready(client, url, submission_id, submission)
@@ -545,7 +547,7 @@ def status_cmd(
     token: Optional[str] = TOKEN_OPTION,
 ) -> None:
     """A job's status, message and times."""
-    url, client = connect(address, token)
+    url, client = job_client(address, token)
     with _ray_errors(url, job_id):
         info = client.get_job_info(job_id)
     extra = _redacted_extra(token)
@@ -566,7 +568,7 @@ def logs_cmd(
     token: Optional[str] = TOKEN_OPTION,
 ) -> None:
     """A job's logs so far, or (--follow) streamed until it ends."""
-    url, client = connect(address, token)
+    url, client = job_client(address, token)
     extra = _redacted_extra(token)
     with _ray_errors(url, job_id):
         client.get_job_info(job_id)  # an unknown id: one line, before any stream opens
@@ -583,7 +585,7 @@ def stop_cmd(
     token: Optional[str] = TOKEN_OPTION,
 ) -> None:
     """Ask a job to stop (Ray terminates its driver, then kills it after a grace period)."""
-    url, client = connect(address, token)
+    url, client = job_client(address, token)
     with _ray_errors(url, job_id):
         if client.stop_job(job_id):
             typer.echo(f"stop requested for {job_id}")
@@ -597,7 +599,7 @@ def list_cmd(
     token: Optional[str] = TOKEN_OPTION,
 ) -> None:
     """The cluster's jobs, oldest first."""
-    url, client = connect(address, token)
+    url, client = job_client(address, token)
     with _ray_errors(url):
         jobs = client.list_jobs()
     extra = _redacted_extra(token)

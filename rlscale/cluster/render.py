@@ -246,7 +246,7 @@ def entrypoint(spec: ClusterSpec) -> str:
 def runtime_env(spec: ClusterSpec) -> dict[str, Any]:
     """Plain settings only: secrets reach the processes from the pods' env (secretKeyRef)."""
     from rlscale.cluster.jobs import job_stop_wait_s
-    from rlscale.config import load_config
+    from rlscale.config_loading import load_config
 
     env: dict[str, Any] = {"env_vars": dict(spec.env)}
     # a stopped Ray job (the RayJob deleted or suspended) gets its grace, as `rlscale job submit` sets it

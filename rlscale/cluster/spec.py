@@ -16,7 +16,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from rlscale.cluster.k8s import (ENV_NAME, LABEL_KEY, LABEL_VALUE, dns_label, dns_subdomain, duration, parse_quantity,
                                  quantity)
-from rlscale.config import _Section, read_yaml_mapping  # one strict base: no unknown keys, no booleans for numbers
+from rlscale.config import _Section  # one strict base: no unknown keys, no booleans for numbers
+from rlscale.config_loading import read_yaml_mapping
 from rlscale.errors import UserError, validation_message
 
 __all__ = ["ClusterSpec", "cluster_spec_from_dict", "load_cluster_spec", "parse_quantity"]
@@ -166,7 +167,7 @@ class JobSpec(_Section):
     @field_validator("overrides")
     @classmethod
     def _overrides(cls, value):
-        from rlscale.config import load_config
+        from rlscale.config_loading import load_config
 
         for text in value:
             if text.split("=", 1)[0].strip().lstrip("+") in ("cluster.num_nodes", "cluster.gpus_per_node"):
@@ -299,7 +300,7 @@ class ClusterSpec(_Section):
             if key.strip().lstrip("+") == "logger.prometheus_port" and value.strip() != str(self.ports.metrics):
                 raise ValueError(f"key 'job.overrides': {text!r} differs from ports.metrics ({self.ports.metrics}), "
                                  "the port the PodMonitoring scrapes; set ports.metrics instead")
-        from rlscale.config import load_config
+        from rlscale.config_loading import load_config
 
         run = load_config(None, self.job.overrides)
         grace = run.checkpointing.preemption_grace_s

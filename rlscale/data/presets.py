@@ -132,8 +132,9 @@ def _load_hub(cfg: DataConfig, preset: Preset, fields: FieldMap, seed: int):
 
 def check_data_config(data_cfg: DataConfig) -> Preset:
     """What can be checked without reading a file: the dataset is known, its keys are the ones it
-    uses, the ones it needs are there, the template is usable. `load_config` runs it, so
-    `train --dry-run`, `job submit` and `cluster render` refuse what a run would refuse."""
+    uses, the ones it needs are there, the template is usable. `build_datasets` and
+    `rlscale.config_loading.load_config` run it, so `train --dry-run`, `job submit` and
+    `cluster render` refuse what a run would refuse."""
     preset = find_preset(data_cfg.dataset_name)
     _check_unused_keys(data_cfg, preset)
     if preset.kind in ("jsonl", "parquet") and not data_cfg.train_path:

@@ -3,12 +3,14 @@
 Each actor keeps the per-sample time limit of its own pool (a stuck sample is killed there);
 the controller only splits the batch and merges the results. Used when `rewards.ray_actors > 0`,
 so that scoring of long math answers scales with the cluster instead of the head node's cores.
+It imports Ray to run those actors; Ray is started (and sized for them) by rlscale/ray_runtime.py.
 """
 
 from __future__ import annotations
 
 import time
 
+from rlscale.ray_runtime import ray_module
 from rlscale.rewards.loader import load_reward_function
 from rlscale.rewards.scorer import RewardScorer, ScoreResult
 
@@ -42,8 +44,7 @@ class RayRewardPool:
     """The RewardScorer interface (score, close, context manager) over `num_actors` Ray actors."""
 
     def __init__(self, function: str, timeout_s: float, num_workers: int, num_actors: int):
-        import ray
-
+        ray = ray_module()
         load_reward_function(function)  # a bad spec fails here, in one line, before any actor starts
         self.function = function
         actor_cls = ray.remote(_RewardActor)

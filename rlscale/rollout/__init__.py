@@ -1,8 +1,9 @@
 """rlscale's rollout engine: generation on the policy's own weights, without Hugging Face generate."""
 
 from rlscale.rollout.engine import Generation, RolloutEngine, round_up
-from rlscale.rollout.sampling import SamplingMode
+from rlscale.rollout.sampling import SamplingMode, SamplingParams
 from rlscale.rollout.stops import StopStrings
 from rlscale.rollout.weights import unsupported_reason
 
-__all__ = ["Generation", "RolloutEngine", "SamplingMode", "StopStrings", "round_up", "unsupported_reason"]
+__all__ = ["Generation", "RolloutEngine", "SamplingMode", "SamplingParams", "StopStrings", "round_up",
+           "unsupported_reason"]

@@ -5,15 +5,12 @@
     out = engine.generate(prompt_ids, max_new_tokens=256, mode=SamplingMode(1.0), eos_ids=[eos])
 
 A compiled decode step on CUDA attends through flex attention with a block mask of each
-sequence's live cache blocks, built on the device every step. With `decode_span_bucket` instead,
-attention (SDPA) reads the cache's first `span` positions only, `span` the multiple of the bucket
-that covers the longest sequence so far (`decode_span`).
-On CUDA each (batch bucket, cache length, sampling mode, span) gets one captured graph, captured
-when first needed; the host loop picks the graph for the step's span, replays it and, every
-`check_every` steps, reads back whether all sequences have stopped. With `compile_decode` the step
-is compiled before capture: whole without spans, in span-independent pieces with them, so that the
-compilations do not multiply with the spans (`_compiled_in_pieces`). On CPU the same step runs
-eagerly (the path the tests exercise).
+sequence's live cache blocks, built on the device every step, so one graph serves every length.
+On CUDA each (batch bucket, cache length, sampling mode) gets one captured graph, captured before
+the prefill of the first generation that needs it; the host loop replays it and, every
+`check_every` steps, reads back whether all sequences have stopped. With `compile_decode` the
+step (forward and sampling) is compiled whole before capture. On CPU the same step runs eagerly
+(the path the tests exercise).
 """
 
 from __future__ import annotations
@@ -51,24 +48,6 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-DECODE_SPAN_BUCKET = 64
-
-
-def decode_span(longest: int, step: int, max_length: int, bucket: int | None = DECODE_SPAN_BUCKET) -> int:
-    """How many leading cache positions decode step `step` attends to (bucket None: all max_length).
-
-    Host step `step` (1 = the first after prefill) feeds a slot with an n-token prompt (n = 0 for a
-    padding slot) its token at position min(n + step - 1, max_length - 1), writes that key/value and
-    attends to positions 0..position. Every position is thus below min(longest + step, max_length);
-    the span is that rounded up to a multiple of `bucket`, capped at max_length: attention reads
-    about the live prefix of the cache instead of all of it, in at most max_length / bucket shapes
-    (graphs, compilations).
-    """
-    if bucket is None:
-        return max_length
-    return min(max_length, round_up(longest + step, bucket))
-
-
 class _DecodeState:
     """Static buffers a captured decode step reads and writes (addresses never change)."""
 
@@ -90,11 +69,8 @@ class _DecodeState:
 class RolloutEngine:
     def __init__(self, source_model, device: torch.device, dtype: torch.dtype, max_length: int = 2048,
                  use_cuda_graphs: bool | None = None, check_every: int = 16, prefill_tokens: int = 16384,
-                 compile_decode: bool = False, decode_attention: str = "auto",
-                 decode_span_bucket: int | None = None, compile_mode: str | None = None,
+                 compile_decode: bool = False, decode_attention: str = "auto", compile_mode: str | None = None,
                  flex_kernel_options: dict | None = None):
-        if decode_span_bucket is not None and decode_span_bucket < 1:
-            raise ValueError(f"decode_span_bucket must be positive or None, not {decode_span_bucket}")
         reason = unsupported_reason(source_model.config, max_length)
         if reason:
             raise ValueError(f"rollout engine does not support {reason}")
@@ -104,18 +80,13 @@ class RolloutEngine:
         self.max_length = max_length
         cos, sin = rotary_table(source_model, max_length, self.device, dtype)
         if decode_attention == "auto":
-            # flex attention is fast only as compiled code: the whole-cache step on CUDA. The span
-            # path leaves attention uncompiled between its compiled pieces, and CPU runs eagerly.
-            whole_compiled = compile_decode and self.device.type == "cuda" and decode_span_bucket is None
-            decode_attention = "flex" if whole_compiled else "sdpa"
+            # flex attention is fast only as compiled code: the compiled step on CUDA (CPU runs eagerly)
+            decode_attention = "flex" if compile_decode and self.device.type == "cuda" else "sdpa"
         self.forward = DecoderForward(self.weights, cos, sin, decode_attention, flex_kernel_options)
-        self.span_bucket = decode_span_bucket
-        if not compile_decode:
-            self._decode_and_sample = self._forward_and_sample
-        elif decode_span_bucket is None:
+        if compile_decode:
             self._decode_and_sample = torch.compile(self._forward_and_sample, dynamic=False, mode=compile_mode)
         else:
-            self._decode_and_sample = self._compiled_in_pieces(compile_mode)
+            self._decode_and_sample = self._forward_and_sample
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.check_every = check_every
         self.prefill_tokens = prefill_tokens
@@ -128,33 +99,6 @@ class RolloutEngine:
     def sync_weights(self, source_model) -> None:
         self.weights.sync_from(source_model)
 
-    def _compiled_in_pieces(self, compile_mode: str | None = None):
-        """_forward_and_sample with spans, compiled in pieces whose shapes never depend on the span.
-
-        torch.compile fuses the norms, rotary and activation kernels of a decode step, and the
-        sampling's logsumexp and CDF search into a few reductions over the logits (captured into
-        the graph afterwards). Without spans the whole step is one compilation (dynamic=False) per
-        sampling mode, batch bucket and cache length. With spans, a span (a Python int) inside it
-        would make every span a compilation of its own (~20 s each on an H200), so instead three
-        pieces are compiled: a layer's head (norm, q/k/v, rotary, cache write: `decode_head`), its
-        tail (o projection to the MLP's residual: `block_tail`), each called for every layer with
-        that layer's tensors as arguments, and the final norm, LM head and sampling. Attention over
-        the span runs eagerly between them (inside the captured CUDA graph all the same), so the
-        compilations are as many as without spans, whatever the number of spans: head and tail one
-        per batch bucket and cache length, the last piece one per batch bucket and sampling mode,
-        well within dynamo's recompile limit (8 per function; past it a function silently runs
-        eagerly), which therefore stays as it is.
-        """
-        head = torch.compile(self.forward.decode_head, dynamic=False, mode=compile_mode)
-        tail = torch.compile(self.forward.block_tail, dynamic=False, mode=compile_mode)
-        final = torch.compile(self._sample, dynamic=False, mode=compile_mode)
-
-        def decode_and_sample(tokens, positions, cache, span, mode, uniform):
-            h = self.forward.decode_hidden(tokens, positions, cache, span, head, tail)
-            return final(h, self.weights.final_norm, self.weights.lm_head, mode, uniform)
-
-        return decode_and_sample
-
     # ------------------------------------------------------------------ buffers and graphs
 
     def _ensure_buffers(self, slots: int, length: int, max_new_tokens: int, pad_id: int, eos_ids: list[int]):
@@ -165,28 +109,26 @@ class RolloutEngine:
         if fits:
             return
         self.graphs.clear()
+        # a fresh pool for the new graphs: capturing into the old one, whose graphs are gone, trips
+        # an internal assert of the CUDA caching allocator (torch 2.11, H200)
+        self.graph_pool = None
         self.cache = self.state = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.cache = KVCache(self.shape, slots, length, self.device, self.dtype)
         self.state = _DecodeState(slots, max_new_tokens, self.device, pad_id, eos_ids)
 
-    def _forward_and_sample(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, span: int,
+    def _forward_and_sample(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                             mode: SamplingMode, uniform: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return sample_tokens(self.forward.decode(tokens, positions, cache, span), mode, uniform)
+        return sample_tokens(self.forward.decode(tokens, positions, cache), mode, uniform)
 
-    def _sample(self, h: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, mode: SamplingMode,
-                uniform: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last piece of a step compiled in pieces: final norm, LM head, sampling."""
-        return sample_tokens(self.forward.final_logits(h, final_norm, lm_head), mode, uniform)
-
-    def _step(self, mode: SamplingMode, span: int) -> None:
+    def _step(self, mode: SamplingMode) -> None:
         """One decode step on the static buffers: forward, sample, record, advance."""
         st = self.state
         # the draws are made here, outside the compiled region: the native rand is safe to capture
         # in the CUDA graph, a random op inside an inductor graph may replay the same numbers
         uniform = None if mode.greedy else uniform_draws(len(st.tokens), self.device)
-        tokens, logprobs = self._decode_and_sample(st.tokens, st.positions, self.cache, span, mode, uniform)
+        tokens, logprobs = self._decode_and_sample(st.tokens, st.positions, self.cache, mode, uniform)
         tokens = torch.where(st.done, st.pad_id, tokens)
         st.out_tokens.index_copy_(1, st.step, tokens[:, None])
         st.out_logprobs.index_copy_(1, st.step, logprobs[:, None])
@@ -195,12 +137,12 @@ class RolloutEngine:
         st.positions.add_(1).clamp_(max=self.cache.max_length - 1)
         st.step.add_(1)
 
-    def _runner(self, mode: SamplingMode, span: int):
+    def _runner(self, mode: SamplingMode):
         if not self.use_graphs:
-            return lambda: self._step(mode, span)
-        if (mode, span) not in self.graphs:
-            self.graphs[mode, span] = self._capture(mode, span)
-        return self.graphs[mode, span].replay
+            return lambda: self._step(mode)
+        if mode not in self.graphs:
+            self.graphs[mode] = self._capture(mode)
+        return self.graphs[mode].replay
 
     @contextmanager
     def _state_restored(self):
@@ -212,31 +154,32 @@ class RolloutEngine:
             for buffer, value in zip(self.state.written(), saved):
                 buffer.copy_(value)
 
-    def _warm_up(self, mode: SamplingMode, span: int) -> None:
+    def _warm_up(self, mode: SamplingMode) -> None:
         """Two decode steps before a capture (compilation, allocator, kernel plans).
 
-        Run inside `_state_restored`, this may happen mid-generation: its key/value writes land at
-        each slot's current position and the one after, which no step has read yet and the next
-        real steps overwrite before reading them (a step writes its position, then attends to it).
+        Run inside `_state_restored`, after the state is set for a generation and before its
+        prefill: its key/value writes land at each slot's first decode position and the one after,
+        which no step has read yet and the prefill or the real steps overwrite before reading them
+        (a step writes its position, then attends to it).
         """
         for _ in range(2):
-            self._step(mode, span)
+            self._step(mode)
             self.state.step.zero_()  # keeps the next step's output column in range
 
-    def _capture(self, mode: SamplingMode, span: int) -> torch.cuda.CUDAGraph:
-        """Capture one decode step, leaving the state as it found it (it may run mid-generation)."""
+    def _capture(self, mode: SamplingMode) -> torch.cuda.CUDAGraph:
+        """Capture one decode step, leaving the state as it found it (set for the generation)."""
         start = time.perf_counter()
         with self._state_restored():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._warm_up(mode, span)
+                self._warm_up(mode)
             torch.cuda.current_stream().wait_stream(stream)
             if self.graph_pool is None:
                 self.graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
-                self._step(mode, span)
+                self._step(mode)
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - start
         return graph
@@ -269,9 +212,7 @@ class RolloutEngine:
         st.positions[:count] = lengths
         st.tokens.fill_(pad_id)
         capture_before = self.capture_s
-        # the first span's graph is captured before prefill (later ones when first needed)
-        span = decode_span(longest, 1, self.cache.max_length, self.span_bucket)
-        run_step = self._runner(mode, span)
+        run_step = self._runner(mode)  # captured, when new, before prefill
         start = time.perf_counter()
         # prefill in row chunks so activations stay bounded for long prompts
         rows = max(1, self.prefill_tokens // max(longest, 1))
@@ -291,14 +232,10 @@ class RolloutEngine:
         self._sync()
         prefill_s = time.perf_counter() - start
 
-        start, capture_before_decode = time.perf_counter(), self.capture_s
+        start = time.perf_counter()
         stopped_at: dict[int, int] = {}
         settled: set[int] = set()  # sequences ended by eos whose text the stop strings have seen
         for step in range(1, max_new_tokens):
-            # host arithmetic only: all slots advance together, so the span follows from the step
-            needed = decode_span(longest, step, self.cache.max_length, self.span_bucket)
-            if needed != span:
-                span, run_step = needed, self._runner(mode, needed)
             run_step()
             if step % self.check_every == 0 or step == max_new_tokens - 1:
                 if stop_check is not None:
@@ -307,7 +244,7 @@ class RolloutEngine:
                     break
         self._sync()
         timings = {"prefill_s": prefill_s, "capture_s": self.capture_s - capture_before,
-                   "decode_s": time.perf_counter() - start - (self.capture_s - capture_before_decode)}
+                   "decode_s": time.perf_counter() - start}
         return self._collect(count, max_new_tokens, eos_ids, ignore_eos, stopped_at, timings)
 
     def _apply_stop_strings(self, stop_check, count: int, produced: int, stopped_at: dict[int, int],

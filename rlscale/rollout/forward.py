@@ -3,14 +3,13 @@
 Each sequence owns one row ("slot") of the cache, `max_length` positions long. Prefill runs the
 right-padded prompts through every layer at once and writes their keys/values to positions
 0..len-1; a decode step feeds one token per slot at its own position, writes its key/value there
-and attends to the positions before it, reading only the first `span` positions of the cache (a
-bound the caller chooses to cover every slot's position). Shapes never depend on the data, so a
-decode step can be captured as a CUDA graph (one per span).
+and attends to the positions up to it. Shapes never depend on the data, so a decode step can be
+captured as a CUDA graph. Attention is over the whole cache, masked per slot; flex attention (the
+compiled CUDA step's) reads only each slot's live blocks of it (`live_prefix_block_mask`).
 
-A decode step is built of per-layer pieces: `decode_head` (norm, q/k/v, rotary, cache write),
-`decode_attend` (attention over the span) and `block_tail` (o projection, MLP), the layer's weights
-passed as arguments. Only `decode_attend`'s shapes depend on the span, so the engine can compile
-the other pieces once for every span and every layer, and leave attention uncompiled between them.
+Each layer of a decode step is `decode_head` (norm, q/k/v, rotary, cache write), `decode_attend`
+and `block_tail` (o projection, MLP, shared with prefill), the layer's weights passed as arguments
+(`LayerWeights.head`, `LayerWeights.tail`).
 """
 
 from __future__ import annotations
@@ -85,15 +84,15 @@ def default_flex_kernel_options(device: torch.device) -> dict:
     return {}
 
 
-def live_prefix_block_mask(positions: torch.Tensor, span: int, queries: int):
+def live_prefix_block_mask(positions: torch.Tensor, length: int, queries: int):
     """Flex attention block mask for a decode step: slot b ([B] `positions`) sees cache positions
-    0..positions[b] out of `span`, its `queries` query rows (the grouped heads) alike. Only the
+    0..positions[b] out of `length`, its `queries` query rows (the grouped heads) alike. Only the
     blocks holding those positions are listed, so the kernel never reads the dead rest of the cache;
     within them `kv_idx <= positions[b]` masks each position. Built once per step, from tensors only
     (no host sync), so it lives inside the compiled step and the CUDA graph."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    slots, blocks = positions.shape[0], -(-span // FLEX_KV_BLOCK)
+    slots, blocks = positions.shape[0], -(-length // FLEX_KV_BLOCK)
     live = (positions // FLEX_KV_BLOCK + 1).clamp(max=blocks).to(torch.int32).view(slots, 1, 1)
     order = torch.arange(blocks, device=positions.device, dtype=torch.int32).expand(slots, 1, 1, blocks)
 
@@ -101,7 +100,7 @@ def live_prefix_block_mask(positions: torch.Tensor, span: int, queries: int):
         return kv_idx <= positions[b]
 
     return BlockMask.from_kv_blocks(live, order.contiguous(), BLOCK_SIZE=FLEX_KV_BLOCK,
-                                    mask_mod=within_prefix, seq_lengths=(queries, span), compute_q_blocks=False)
+                                    mask_mod=within_prefix, seq_lengths=(queries, length), compute_q_blocks=False)
 
 
 class DecoderForward:
@@ -138,17 +137,13 @@ class DecoderForward:
     def block_tail(self, h: torch.Tensor, attn: torch.Tensor, o: torch.Tensor, o_bias: torch.Tensor | None,
                    post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """A layer after attention: o projection, residual, post-attention norm, gated MLP, residual.
-        The layer's weights come as arguments (`LayerWeights.tail`), not through `self`, so a compiled
-        version serves every layer without guarding on which tensors they are."""
+        The layer's weights come as arguments (`LayerWeights.tail`)."""
         h = h + F.linear(attn, o, o_bias)
         gate, up = F.linear(rms_norm(h, post_norm, self.s.rms_eps), gate_up).chunk(2, dim=-1)
         return h + F.linear(self.act(gate) * up, down)
 
-    def final_logits(self, h: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(h, final_norm, self.s.rms_eps), lm_head)
-
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.final_logits(h, self.w.final_norm, self.w.lm_head)
+        return F.linear(rms_norm(h, self.w.final_norm, self.s.rms_eps), self.w.lm_head)
 
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache, slot0: int) -> torch.Tensor:
         """Right-padded prompts [B, T] into cache slots slot0..slot0+B-1; returns the logits
@@ -168,7 +163,7 @@ class DecoderForward:
         last = h[torch.arange(batch, device=h.device), lengths - 1]
         return self.logits(last)
 
-    # ------------------------------------------------------------------ decode, in pieces
+    # ------------------------------------------------------------------ decode
 
     def decode_head(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
                     values: torch.Tensor, input_norm: torch.Tensor, qkv: torch.Tensor,
@@ -176,8 +171,8 @@ class DecoderForward:
                     k_norm: torch.Tensor | None) -> torch.Tensor:
         """A decode step's layer up to attention: input norm, q/k/v at `positions` [B], this step's
         key/value written in place into the layer's cache tensors `keys`/`values` (whole length, at
-        rows `slots` [B]); returns q grouped by kv head, [B, Hkv, G, D]. No shape here depends on
-        the span. The layer's weights come as arguments (`LayerWeights.head`), as in `block_tail`."""
+        rows `slots` [B]); returns q grouped by kv head, [B, Hkv, G, D]. The layer's weights come as
+        arguments (`LayerWeights.head`), as in `block_tail`."""
         s = self.s
         q, k, v = self._qkv(rms_norm(h, input_norm, s.rms_eps), positions, qkv, qkv_bias, q_norm, k_norm)
         keys[slots, :, positions] = k
@@ -185,20 +180,20 @@ class DecoderForward:
         # the query heads sharing a kv head act as that head's "query positions": no kv repeat
         return q.unflatten(1, (s.num_kv_heads, s.num_heads // s.num_kv_heads))
 
-    def visible(self, positions: torch.Tensor, span: int) -> torch.Tensor | BlockMask:
-        """What slot b may attend to, its positions 0..positions[b]: a mask [B, 1, 1, span], or for
-        flex attention a block mask listing only each slot's live blocks (so the kernel skips the
-        rest of the cache: the live prefix without a graph per span)."""
+    def visible(self, positions: torch.Tensor, length: int) -> torch.Tensor | BlockMask:
+        """What slot b may attend to, its positions 0..positions[b] of a `length`-position cache: a
+        mask [B, 1, 1, length], or for flex attention a block mask listing only each slot's live
+        blocks (so the kernel skips the rest of the cache, in one graph for every length)."""
         if self.decode_attention == "flex":
-            return live_prefix_block_mask(positions, span, self.s.num_heads // self.s.num_kv_heads)
-        return (torch.arange(span, device=positions.device) <= positions[:, None])[:, None, None, :]
+            return live_prefix_block_mask(positions, length, self.s.num_heads // self.s.num_kv_heads)
+        return (torch.arange(length, device=positions.device) <= positions[:, None])[:, None, None, :]
 
     def decode_attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       visible: torch.Tensor | BlockMask) -> torch.Tensor:
-        """q [B, Hkv, G, D] over the layer cache's first B slots and first span = visible.shape[-1]
+        """q [B, Hkv, G, D] over the layer cache's first B slots and first visible.shape[-1]
         positions -> attention output [B, H * D]."""
-        batch, span = q.shape[0], visible.shape[-1]
-        keys, values = keys[:batch, :, :span], values[:batch, :, :span]
+        batch, length = q.shape[0], visible.shape[-1]
+        keys, values = keys[:batch, :, :length], values[:batch, :, :length]
         if self.decode_attention == "sdpa":
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
         elif self.decode_attention == "flex":
@@ -212,28 +207,14 @@ class DecoderForward:
             attn = probs @ values
         return attn.flatten(1)
 
-    def decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, span: int | None = None,
-                      head=None, tail=None) -> torch.Tensor:
-        """One token per slot [B] at `positions` [B] -> the last layer's hidden states [B, hidden].
-
-        Attention reads cache positions 0..span-1 only (default: the whole cache); every position
-        must be below `span`, or that slot would not see its own key. Not checked here: it would
-        take a host sync per step. `head` and `tail` stand in for `decode_head` and `block_tail`
-        (the engine passes compiled versions of them; attention between them stays as it is).
-        """
-        head = head or self.decode_head
-        tail = tail or self.block_tail
-        span = cache.max_length if span is None else span
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token per slot [B] at `positions` [B] (each below cache.max_length) -> next-token
+        logits [B, vocab]."""
         slots = torch.arange(tokens.shape[0], device=tokens.device)
-        visible = self.visible(positions, span)
+        visible = self.visible(positions, cache.max_length)
         h = F.embedding(tokens, self.w.embed)
         for i, layer in enumerate(self.w.layers):
             keys, values = cache.keys[i], cache.values[i]
-            q = head(h, positions, slots, keys, values, *layer.head)
-            h = tail(h, self.decode_attend(q, keys, values, visible), *layer.tail)
-        return h
-
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-               span: int | None = None) -> torch.Tensor:
-        """One token per slot [B] at `positions` [B] -> next-token logits [B, vocab] (see `decode_hidden`)."""
-        return self.logits(self.decode_hidden(tokens, positions, cache, span))
+            q = self.decode_head(h, positions, slots, keys, values, *layer.head)
+            h = self.block_tail(h, self.decode_attend(q, keys, values, visible), *layer.tail)
+        return self.logits(h)

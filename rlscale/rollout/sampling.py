@@ -1,4 +1,5 @@
-"""Sampling on the device: pure functions of logits, safe to capture in a CUDA graph."""
+"""What a generation samples (`SamplingParams`, `SamplingMode`), and sampling on the device: pure
+functions of logits, safe to capture in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -18,6 +19,25 @@ class SamplingMode:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+# Two classes, not one: SamplingMode is the key of the engine's captured graphs and what its
+# compiled step specialises on, so it holds only what changes the device computation. The length
+# sizes the engine's buffers and the stop strings are checked on the host, on decoded text; in the
+# key they would only add captures (one per set of stop strings) of the same computation.
+@dataclass
+class SamplingParams:
+    """A generation request: the sampling distribution, the longest response, the stop strings."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    max_new_tokens: int = 16
+    stop_strings: tuple[str, ...] = ()
+
+    @property
+    def mode(self) -> SamplingMode:
+        return SamplingMode(self.temperature, self.top_p, self.top_k)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""torch.distributed set-up for a policy worker: the process group and FSDP2 sharding."""
+"""torch.distributed set-up for a policy worker: the process group and FSDP2 sharding.
+
+Imports no Ray: in a Ray actor, the GPU Ray assigned comes from rlscale/ray_runtime.py."""
 
 from __future__ import annotations
 
@@ -99,9 +101,9 @@ def local_gpu_index() -> int:
     transports. Each worker then selects Ray's assignment itself, as torchrun's LOCAL_RANK does.
     """
     if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):
-        import ray  # only set inside a Ray worker actor
+        from rlscale.ray_runtime import assigned_gpu_ids  # only set inside a Ray worker actor
 
-        gpu_ids = ray.get_gpu_ids()
+        gpu_ids = assigned_gpu_ids()
         if gpu_ids:
             return int(gpu_ids[0])
     return int(os.environ.get("LOCAL_RANK", 0))

@@ -1,7 +1,10 @@
 """The policy worker: a plain class holding the model, its optimizer and the frozen reference.
 
 It knows nothing of Ray or of the GRPO loop; the controller calls its methods through a worker
-group, in this process or in a Ray actor (one per GPU).
+group, in this process or in a Ray actor (one per GPU). The models are built in
+rlscale.workers.model_setup, their logprobs come from rlscale.models.logprob_head, and
+generation goes through the rollout engine (rlscale.rollout) or, for the model families it does
+not cover, transformers generate (rlscale.workers.hf_generate).
 """
 
 from __future__ import annotations
@@ -11,32 +14,22 @@ import math
 import os
 import random
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from rlscale.config import Config, token_budget
-from rlscale.grpo.loss import grpo_token_loss, linear_logprobs, linear_logprobs_loss
-from rlscale.models import PromptRenderer, load_model, load_tokenizer, pick_device
-from rlscale.models.loading import local_weights_dir
-from rlscale.models.sharded_load import load_sharded
-from rlscale.models.packed_attention import packed_kwargs, use_packed_attention
+from rlscale.grpo.loss import grpo_token_loss
+from rlscale.models import PromptRenderer, load_tokenizer, pick_device
+from rlscale.models.logprob_head import packed_logprobs
 from rlscale.models.prompts import decode_responses
 from rlscale.workers.batch import Rollouts, TrainBatch
-from rlscale.rollout import RolloutEngine, SamplingMode, StopStrings, round_up, unsupported_reason
+from rlscale.rollout import RolloutEngine, SamplingParams, StopStrings, round_up, unsupported_reason
 from rlscale.telemetry.memory import PhasePeaks
 from rlscale.telemetry.torch_profile import CallProfiler
+from rlscale.workers.hf_generate import hf_generate
+from rlscale.workers.model_setup import build_policy, build_reference
 from rlscale.workers.packing import PackedMicroBatch, filler_pack, pack_batch, to_device
 from rlscale.workers import distributed, precision, state_io
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    max_new_tokens: int = 16
-    stop_strings: tuple[str, ...] = ()
 
 
 # train metrics averaged over the trained tokens (not over every response token: a sample left out
@@ -78,43 +71,16 @@ class PolicyWorker(state_io.CheckpointableWorker):
             self.tokenizer, policy.prompt_format,
             max_prompt_tokens=policy.max_total_sequence_length - policy.generation.max_new_tokens)
         self.compiled = policy.compile if policy.compile is not None else self.device.type == "cuda"
-
-        def prepare(model) -> None:
-            """Activation checkpointing, then compile, then FSDP2, as torchtitan orders them."""
-            model.config.use_cache = False
-            use_packed_attention(model, policy.attention_backend)
-            if policy.activation_checkpointing:
-                enable_activation_checkpointing(model)
-            if self.compiled:
-                compile_layers(model)
-            if self.sharded:
-                distributed.shard_model(model, policy.fsdp_layers_per_unit, self.precision.fsdp_policy(world_size))
-
-        weights_dir = local_weights_dir(policy.model_name, policy.trust_remote_code)
-        if self.sharded and weights_dir is not None:
-            # built on the meta device, each rank reading only the shards it keeps (no whole copy)
-            self.model = load_sharded(weights_dir, self.precision.weights, self.device, prepare,
-                                      policy.trust_remote_code)
-        else:
-            self.model = load_model(policy.model_name, self.precision.weights, self.device, policy.trust_remote_code)
-            prepare(self.model)
+        self.model = build_policy(policy, self.precision, self.device, self.sharded, world_size, self.compiled)
         self._rollout: RolloutEngine | None = None
         self._rollout_unsupported = False
         self.last_generation_timings: dict[str, float] = {}
-        self.reference = None
+        self.reference, self.reference_sharded = None, False
         if cfg.loss.reference_policy_kl_penalty > 0:
-            self.reference = load_model(policy.model_name, self.dtype, self.device, policy.trust_remote_code)
-            self.reference.eval().requires_grad_(False)
-            use_packed_attention(self.reference, policy.attention_backend)
-            if self.compiled:
-                compile_layers(self.reference)
+            self.reference, self.reference_sharded = build_reference(policy, self.dtype, self.device, world_size,
+                                                                     self.compiled)
         # null (no memory plan was made): keep the policy gathered, the fastest way when it fits
         self.keep_gathered = policy.keep_gathered is not False
-        self.reference_sharded = False
-        if self.reference is not None and world_size > 1 and distributed.shard_reference(
-                policy.shard_reference, self.reference, self.device):
-            distributed.shard_model(self.reference, policy.fsdp_layers_per_unit)
-            self.reference_sharded = True
         self.memory = PhasePeaks(self.device)  # measured per phase, reported with each update
         self.optimizer = precision.make_optimizer(self.model.parameters(), policy.optimizer, self.precision,
                                                   self.device, seed=cfg.grpo.seed * 1009 + rank)
@@ -149,14 +115,15 @@ class PolicyWorker(state_io.CheckpointableWorker):
         prompt_ids, prompt_cut = self.renderer.render_all(texts)
         engine = self._rollout_engine()
         if engine is None:
-            return dataclasses.replace(self._generate_hf(prompt_ids, params), prompt_cut=prompt_cut)
+            rollouts = hf_generate(self.model, self.tokenizer, prompt_ids, params, self.device, self.sharded)
+            return dataclasses.replace(rollouts, prompt_cut=prompt_cut)
         tok = self.tokenizer
         with distributed.gathered(self.model, self.sharded, keep=update_follows and self.keep_gathered):
             engine.sync_weights(self.model)  # in place, device to device; the engine then decodes alone
         self.profiler.mark("gather and sync weights")
         self.memory.end("weight sync")  # the engine's first build and capture included
         out = engine.generate(
-            prompt_ids, params.max_new_tokens, SamplingMode(params.temperature, params.top_p, params.top_k),
+            prompt_ids, params.max_new_tokens, params.mode,
             eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
             stop_check=StopStrings(tok, params.stop_strings) if params.stop_strings else None)
         self.last_generation_timings = out.timings
@@ -182,47 +149,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
             with distributed.gathered(self.model, self.sharded):
                 self._rollout = RolloutEngine(self.model, self.device, self.dtype, max_length,
                                              use_cuda_graphs=gen.cuda_graphs and self.device.type == "cuda",
-                                             compile_decode=gen.compile and self.device.type == "cuda",
-                                             decode_span_bucket=gen.decode_span_bucket)
+                                             compile_decode=gen.compile and self.device.type == "cuda")
         return self._rollout
-
-    def _generate_hf(self, prompt_ids: list[list[int]], params: SamplingParams) -> Rollouts:
-        """transformers generate over one left-padded batch (families the engine does not cover)."""
-        from transformers import GenerationConfig
-
-        tok = self.tokenizer
-        width = max(len(p) for p in prompt_ids)
-        ids = torch.full((len(prompt_ids), width), tok.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, prompt in enumerate(prompt_ids):
-            ids[i, width - len(prompt):] = torch.tensor(prompt)
-            mask[i, width - len(prompt):] = 1
-        greedy = params.temperature == 0
-        gen_config = GenerationConfig(
-            do_sample=not greedy,
-            temperature=None if greedy else params.temperature,
-            top_p=None if greedy else params.top_p,
-            top_k=None if greedy else (params.top_k or 0),
-            max_new_tokens=params.max_new_tokens,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            stop_strings=list(params.stop_strings) or None,
-            use_cache=True,
-        )
-        self.model.eval()
-        with distributed.gathered(self.model, self.sharded):
-            # gathered weights: each rank decodes on its own, stopping when its own samples end
-            out = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_config,
-                tokenizer=tok if params.stop_strings else None)
-        new_tokens = out[:, width:].tolist()
-        responses, truncated = [], []
-        for row in new_tokens:
-            cut = _response_length(row, tok.eos_token_id, tok.pad_token_id)
-            responses.append(row[:cut])
-            truncated.append(cut == params.max_new_tokens and row[cut - 1] != tok.eos_token_id)
-        decoded = decode_responses(tok, responses)
-        return Rollouts(prompt_ids=prompt_ids, response_ids=responses, texts=decoded, truncated=truncated)
 
     # ------------------------------------------------------------------ training
 
@@ -416,82 +344,3 @@ class PolicyWorker(state_io.CheckpointableWorker):
         distributed.reshard(self.model, self.sharded)
         return super().checkpoint_snapshot(directory)
 
-
-def enable_activation_checkpointing(model) -> None:
-    """Recompute each decoder layer's activations in the backward (non-reentrant checkpoints)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5.2x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def compile_layers(model) -> None:
-    """torch.compile every decoder layer in place (hooks, checkpointing and FSDP2 keep working);
-    shapes vary with each packed row, so they are compiled dynamic."""
-    for layer in model.get_decoder().layers:
-        layer.compile(dynamic=True)
-
-
-_REQUEST = "_rlscale_logprob_request"
-
-
-def _install_logprob_head(head) -> None:
-    """Let the LM head return chunked logprobs instead of logits when a request is pending.
-
-    The head runs inside the model's own forward, so FSDP2 has its weight gathered there and
-    treats the result as the forward's output; parameter names and tying are untouched.
-    """
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("packed logprobs assume an LM head without bias")
-    linear_forward = type(head).forward
-
-    def forward(hidden):
-        request = getattr(head, _REQUEST, None)
-        if request is None:
-            return linear_forward(head, hidden)
-        targets, with_entropy, chunk, compiled, token_loss = request
-        if token_loss is None:
-            logprobs, entropy = linear_logprobs(hidden[0], head.weight, targets, with_entropy, chunk, compiled)
-            columns = [logprobs]
-        else:
-            logprobs, entropy, losses = linear_logprobs_loss(hidden[0], head.weight, targets, token_loss,
-                                                             with_entropy, chunk, compiled)
-            columns = [logprobs, losses]
-        columns.append(entropy if with_entropy else torch.zeros_like(logprobs))
-        return torch.stack([column[None] for column in columns], -1)  # [1, R, columns], a fresh tensor (no view)
-
-    head.forward = forward
-    setattr(head, _REQUEST, None)
-
-
-def packed_logprobs(model, mb: PackedMicroBatch, with_entropy: bool = False, chunk: int = 2048,
-                    compiled: bool = False, token_loss=None):
-    """Logprobs [R] (and entropy, reported only) of the response tokens of one packed micro-batch.
-
-    `logits_to_keep` hands the head only the response positions; the head computes their
-    log-softmax `chunk` rows at a time (rlscale.grpo.loss.linear_logprobs). With token_loss
-    (see rlscale.grpo.loss.linear_logprobs_loss), (logprobs, entropy, per-token losses): the
-    losses carry the gradient, taken in the head's forward.
-    """
-    head = model.get_output_embeddings()
-    if not hasattr(head, _REQUEST):
-        _install_logprob_head(head)
-    setattr(head, _REQUEST, (mb.targets, with_entropy, chunk, compiled, token_loss))
-    try:
-        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                    logits_to_keep=mb.logit_index, **packed_kwargs(mb.cu_seqlens, mb.max_seqlen)).logits[0]
-    finally:
-        setattr(head, _REQUEST, None)
-    entropy = out[:, -1] if with_entropy else None
-    return (out[:, 0], entropy) if token_loss is None else (out[:, 0], entropy, out[:, 1])
-
-
-def _response_length(row: list[int], eos_id: int, pad_id: int) -> int:
-    """Tokens up to and including the first eos; padding after an early stop is cut."""
-    for i, token in enumerate(row):
-        if token == eos_id:
-            return i + 1
-        if token == pad_id:
-            return i
-    return len(row)

@@ -1,8 +1,9 @@
 """A worker group of Ray actors: one policy worker per GPU (or per CPU slot), packed per node.
 
-This is the only module that imports Ray for training. It places a placement group with one
-bundle per worker, starts one `PolicyWorker` actor per bundle with its rank environment, has
-them initialise torch.distributed (NCCL on GPU, gloo on CPU) on a port rank 0 picked free, and
+It imports Ray to place the policy workers as Ray actors and to read Ray's errors; starting or
+joining Ray, its sizing and GPU discovery are rlscale/ray_runtime.py. It places a placement group
+with one bundle per worker, starts one `PolicyWorker` actor per bundle with its rank environment,
+has them initialise torch.distributed (NCCL on GPU, gloo on CPU) on a port rank 0 picked free, and
 turns a dead worker into a one-line error naming its rank and the cause, never a hang.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 from rlscale.ckpt.faults import ENV as FAULT_ENV
 from rlscale.config import Config
 from rlscale.errors import OutOfMemory, UserError, is_out_of_memory, out_of_memory
+from rlscale.ray_runtime import ray_module, start_ray
 
 
 def _rendezvous_impl() -> tuple[str, int]:
@@ -35,55 +37,18 @@ class WorkerDied(WorkerFailure):
     """The worker's process is gone."""
 
 
-def _ray():
-    try:
-        import ray
-    except ImportError:
-        raise UserError("more than one worker needs Ray: pip install 'ray[default]>=2.40'") from None
-    return ray
-
-
-def connect(cfg: Config) -> None:
-    """Join `cluster.address` (a running cluster, or the one a Ray job runs in), else start a local one."""
-    ray = _ray()
-    if ray.is_initialized():
-        return
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    # Workers import rlscale from the same place as the driver.
-    pythonpath = os.environ.get("PYTHONPATH")
-    runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}} if pythonpath else None
-    try:
-        if address:
-            ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-        else:
-            # logical CPUs for every worker and reward actor, even on a small machine
-            world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
-            wanted = world * cfg.cluster.cpus_per_worker + cfg.rewards.ray_actors * cfg.rewards.num_workers
-            cpus = max(os.cpu_count() or 1, wanted)
-            # "local": a fresh Ray instance of this run's own, never a cluster that `ray start` left
-            # on this machine (Ray would join that one, or fail on a stale record of it)
-            ray.init(address="local", num_cpus=cpus, runtime_env=runtime_env, include_dashboard=False,
-                     log_to_driver=True)
-    except ConnectionError as exc:
-        raise UserError(f"cluster.address {address!r}: cannot connect to Ray ({exc})") from None
-
-
-def cluster_has_gpus() -> bool:
-    return _ray().cluster_resources().get("GPU", 0) > 0
-
-
 class RayWorkerGroup:
     """Same two calls as the local group: run_all and run_rank0."""
 
     def __init__(self, cfg: Config, use_gpus: bool, call_timeout_s: float | None = None):
-        ray = _ray()
+        ray = ray_module()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from rlscale.workers.group import memory_guarded
         from rlscale.workers.policy import PolicyWorker
 
-        connect(cfg)
+        start_ray(cfg)
         self.world_size = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
         bundle = {"CPU": cfg.cluster.cpus_per_worker}
         if use_gpus:
@@ -126,7 +91,7 @@ class RayWorkerGroup:
 
     def _get(self, refs: list, method: str | None = None) -> list[Any]:
         """ray.get, but a failed worker fails the call at once with its rank and cause."""
-        ray = _ray()
+        ray = ray_module()
         pending = list(refs)
         started = time.monotonic()
         while pending:
@@ -161,7 +126,7 @@ class RayWorkerGroup:
         """Ask every worker to exit, then force-kill those still there (hung in a collective after a
         peer died). A forced kill reaches a live worker as SIGTERM, which Ray reports as a worker
         traceback in the driver's stderr: workers that can exit cleanly do so first."""
-        ray = _ray()
+        ray = ray_module()
         exits = [actor.__ray_terminate__.remote() for actor in self.actors]
         ray.wait(exits, num_returns=len(exits), timeout=grace_s)
         for actor in self.actors:

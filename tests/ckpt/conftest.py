@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlscale.ckpt import Checkpointer
-from rlscale.config import load_config
+from rlscale.config_loading import load_config
 from rlscale.models.tiny import build_char_tokenizer, build_tiny_model
 from rlscale.workers.group import LocalWorkerGroup
 from rlscale.workers.policy import PolicyWorker

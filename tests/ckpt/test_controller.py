@@ -70,10 +70,71 @@ def test_a_finished_run_writes_its_summary_before_it_lets_go_of_the_directory(ma
     assert seen and all(seen)
 
 
+def test_a_run_that_waited_for_the_directory_chooses_its_resume_step_again(make_cfg, monkeypatch, capsys):
+    """A run that waits for the directory's claim (held from another node: a retried job) chose
+    its resume step before the wait, and the holder may have saved a newer step or finished
+    meanwhile: the choice is made again once the claim is had. A finished run is left as it is, a
+    newer step is resumed from; neither step is trained again from the older one."""
+    from rlscale.ckpt import Checkpointer
+
+    def run(*overrides):
+        return make_cfg(*TINY_RUN, "checkpointing.keep_top_k=null", *overrides)
+
+    done = train(run("grpo.max_num_steps=2"))
+    root, log_dir = run().checkpoint_dir, run().checkpoint_dir.parent / "run"
+    away = root.parent / "away"
+    away.mkdir()
+    saved_meanwhile = []  # what the holder writes while this run waits: moved back in prepare
+    prepare = Checkpointer.prepare
+
+    def prepare_after_a_wait(self, notify=None):
+        prepare(self, notify)
+        while saved_meanwhile:
+            path = saved_meanwhile.pop()
+            (away / path.name).rename(path)
+        return True  # as if the claim had waited for a holder
+
+    def hold_back(*paths):
+        for path in paths:
+            path.rename(away / path.name)
+            saved_meanwhile.append(path)
+
+    monkeypatch.setattr(Checkpointer, "prepare", prepare_after_a_wait)
+    state_2 = (root / "step_2" / "trainer_state.json").read_bytes()
+    metrics = (log_dir / "metrics.jsonl").read_bytes()
+    # before the wait: step 1, work left; during it the holder saved step 2 and wrote its summary
+    hold_back(root / "step_2", log_dir / "summary.json")
+    capsys.readouterr()
+    assert train(run("grpo.max_num_steps=2")) == done
+    assert f"the run in {log_dir} finished at step 2" in capsys.readouterr().err
+    assert (root / "step_2" / "trainer_state.json").read_bytes() == state_2
+    assert (log_dir / "metrics.jsonl").read_bytes() == metrics  # nothing trained, nothing logged
+    # before the wait: step 1; during it the holder saved step 2, and this run goes on to step 3
+    hold_back(root / "step_2")
+    resumed = train(run("grpo.max_num_steps=3"))
+    assert resumed["resumed_from"] == str(root / "step_2") and resumed["steps_run"] == 1
+
+
+def test_the_checkpointer_saves_every_save_period_steps_and_at_the_last(make_cfg):
+    """What the loop asks after each step (Checkpointer.saves_at)."""
+    from rlscale.ckpt import Checkpointer
+
+    def saves(*overrides, last=7):
+        cfg = make_cfg(*overrides)
+        ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpointing, "{}", "x")  # not prepared: only decides
+        return [step for step in range(1, last + 1) if ckpt.saves_at(step, last)]
+
+    assert saves("checkpointing.save_period=3") == [3, 6, 7]
+    assert saves("checkpointing.save_period=1") == [1, 2, 3, 4, 5, 6, 7]
+    assert saves("checkpointing.save_period=20") == [7]
+    assert saves("checkpointing.save_period=7") == [7]
+    assert saves("checkpointing.save_period=3", "checkpointing.enabled=false") == []
+
+
 def test_a_resume_with_other_settings_names_them(make_cfg, capsys):
     """The same directory resumed by a run with other settings (another job sharing a relative run
     dir, say) is said so, naming the settings; a longer horizon or other logging is not news."""
-    from rlscale.controller import config_changes
+    from rlscale.run_dir import config_changes
 
     train(make_cfg(*TINY_RUN, "grpo.max_num_steps=1"))
     step = make_cfg(*TINY_RUN).checkpoint_dir / "step_1"
@@ -136,7 +197,7 @@ def test_a_fresh_start_does_not_overwrite_another_run_s_metrics(make_cfg):
 def test_keys_of_another_rlscale_version_are_not_other_settings(make_cfg):
     import yaml
 
-    from rlscale.controller import config_differences
+    from rlscale.run_dir import config_differences
 
     cfg = make_cfg(*TINY_RUN)
     tree = cfg.to_dict()

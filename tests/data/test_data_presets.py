@@ -1,7 +1,8 @@
 import datasets
 import pytest
 
-from rlscale.config import DataConfig, load_config
+from rlscale.config import DataConfig
+from rlscale.config_loading import load_config
 from rlscale.data import Problem, build_datasets
 from rlscale.data.presets import MATH_TEMPLATE, find_preset, gsm8k_answer
 from rlscale.errors import UserError

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlscale.config import load_config
+from rlscale.config_loading import load_config
+from rlscale.rollout.sampling import SamplingParams
 from rlscale.workers.batch import build_train_batch
 from rlscale.workers.packing import plan_packs
-from rlscale.workers.policy import PolicyWorker, SamplingParams
+from rlscale.workers.policy import PolicyWorker
 
 
 def test_old_and_reference_logprobs_are_computed_in_token_sized_micro_batches(tiny_model):

@@ -101,7 +101,7 @@ def test_summary_after_first_run(first):
 
 
 def test_resolved_config_is_written_and_reloads(first, tiny_model):
-    from rlscale.config import load_config
+    from rlscale.config_loading import load_config
 
     cfg = load_config(Path(first["after_first"]) / "config.yaml")
     assert cfg.grpo.max_num_steps == 3
@@ -115,7 +115,7 @@ def test_resolved_config_is_written_and_reloads(first, tiny_model):
 def test_the_memory_plan_is_written_beside_the_config(first):
     """memory_plan.json holds the run's plan (what `rlscale bench mem` compares with the measured
     peaks): the same figures as a plan made again from the written config."""
-    from rlscale.config import load_config
+    from rlscale.config_loading import load_config
     from rlscale.memory_plan import plan_for
 
     written = json.loads((Path(first["after_first"]) / "memory_plan.json").read_text())

@@ -8,7 +8,6 @@ from transformers import (GPT2Config, LlamaConfig, LlamaForCausalLM, Qwen2Config
                           Qwen3ForCausalLM)
 
 from rlscale.rollout import RolloutEngine, SamplingMode, StopStrings, unsupported_reason
-from rlscale.rollout.engine import decode_span
 from rlscale.rollout.sampling import filter_logits, sample_tokens
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -200,74 +199,24 @@ def test_given_uniform_draws_the_sample_inverts_the_tempered_cdf():
     assert torch.equal(first[0], torch.searchsorted(cdf, uniform.double()[:, None], right=True).squeeze(-1))
 
 
-def test_decode_span_is_the_smallest_bucket_multiple_covering_every_position_read():
-    assert decode_span(12, 1, 320) == 64  # step 1 writes and reads position 12 at most
-    assert decode_span(12, 52, 320) == 64  # position 63, the first bucket's last
-    assert decode_span(12, 53, 320) == 128  # position 64
-    assert decode_span(64, 1, 320) == 128 and decode_span(63, 1, 320) == 64
-    assert decode_span(100, 250, 320) == 320  # never past the cache
-    assert decode_span(10, 5, 40) == 40  # nor past a cache that is not a multiple of the bucket
-    assert decode_span(12, 1, 320, bucket=None) == 320
-    assert decode_span(12, 5, 320, bucket=16) == 32
-    for bucket, max_length in ((64, 320), (16, 100)):
-        for longest in range(1, 80):
-            for step in range(1, 260):
-                span = decode_span(longest, step, max_length, bucket)
-                last = min(longest + step - 1, max_length - 1)  # the largest position of step `step`
-                assert last < span <= max_length
-                assert span == max_length or (span % bucket == 0 and span - bucket <= last)
-    with pytest.raises(ValueError, match="decode_span_bucket"):
-        RolloutEngine(make("qwen2"), torch.device("cpu"), torch.float32, max_length=128, decode_span_bucket=0)
-
-
-@pytest.mark.parametrize("attention", ["sdpa", "matmul", "flex"])
-def test_decode_over_the_live_span_equals_decode_over_the_whole_cache(attention):
-    model = make("qwen2")
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(2, 97, (n,), generator=g).tolist() for n in (5, 40, 17, 29, 8, 33)]
-    engines = [RolloutEngine(model, torch.device("cpu"), torch.float32, max_length=256, decode_attention=attention,
-                             decode_span_bucket=bucket) for bucket in (None, 64)]
-    reads = []  # per decode step of the span engine: (span, largest position)
-    decode = engines[1].forward.decode
-
-    def recording_decode(tokens, positions, cache, span=None):
-        reads.append((span, int(positions.max())))
-        return decode(tokens, positions, cache, span)
-
-    engines[1].forward.decode = recording_decode
-    for mode in (SamplingMode(0.0), SamplingMode(1.0)):
-        outs = []
-        for engine in engines:
-            torch.manual_seed(8)  # the same noise for both
-            outs.append(engine.generate(prompts, 150, mode, [1], 0, ignore_eos=True))
-        assert outs[0].tokens == outs[1].tokens
-        torch.testing.assert_close(torch.tensor(outs[0].logprobs), torch.tensor(outs[1].logprobs),
-                                   atol=1e-5, rtol=0)
-    # 40 + 150 tokens: a 192-position cache, read through spans of 64, 128 and 192 positions, each
-    # the smallest that holds every slot's position
-    assert engines[1].cache.max_length == 192 and len(reads) == 2 * 149
-    assert sorted({span for span, _ in reads}) == [64, 128, 192]
-    assert all(span - 64 <= last < span for span, last in reads)
-
-
-def test_a_capture_warm_up_in_the_middle_of_a_generation_changes_nothing():
-    # on CUDA a new span's graph is captured mid-generation, after two warm-up steps on the live
-    # state; the same warm-up here, before each span's first step
+def test_a_capture_warm_up_before_prefill_changes_nothing():
+    # on CUDA a mode's graph is captured after two warm-up steps on the state set for the
+    # generation, before its prefill; the same warm-up here
     model = make("qwen2")
     prompts = ragged_prompts(6)
-    engine = RolloutEngine(model, torch.device("cpu"), torch.float32, max_length=128, decode_span_bucket=16)
+    engine = RolloutEngine(model, torch.device("cpu"), torch.float32, max_length=128)
     reference = engine.generate(prompts, 60, SamplingMode(0.0), [1], 0, ignore_eos=True)
     runner, warmed = engine._runner, []
 
-    def runner_after_a_warm_up(mode, span):
+    def runner_after_a_warm_up(mode):
         with engine._state_restored():
-            engine._warm_up(mode, span)
-        warmed.append(span)
-        return runner(mode, span)
+            engine._warm_up(mode)
+        warmed.append(mode)
+        return runner(mode)
 
     engine._runner = runner_after_a_warm_up
     out = engine.generate(prompts, 60, SamplingMode(0.0), [1], 0, ignore_eos=True)
-    assert warmed == [16, 32, 48, 64, 80]  # the first before prefill, the others mid-generation
+    assert warmed == [SamplingMode(0.0)]  # once, before prefill
     assert out.tokens == reference.tokens and out.logprobs == reference.logprobs
 
 
@@ -276,17 +225,14 @@ needs_a_compiler = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("
 
 
 @needs_a_compiler
-@pytest.mark.parametrize("family, bucket", [("qwen2", 16), ("qwen3", 16), ("qwen2", None)])
-def test_compiled_decode_and_sample_gives_the_eager_tokens(family, bucket):
-    # inductor on CPU: with spans, the step compiled in pieces (a layer's head and tail, the final
-    # norm and sampling, once per mode); without, whole (once per mode). 15-19 s a case with cold
-    # compile caches on 2 cores, 4-6 s warm
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_compiled_decode_and_sample_gives_the_eager_tokens(family):
+    # inductor on CPU: the step compiled whole, once per mode (qwen3: with q/k norms). 15-19 s a
+    # case with cold compile caches on 2 cores, 4-6 s warm; past dynamo's recompile limit a step
+    # would quietly run eagerly: made an error here
     model = make(family)
     prompts = ragged_prompts(5)
-    # 16-position spans: the greedy run crosses 7, the sampled one 2; were each span a compilation
-    # of its own, more than dynamo's default recompile limit (8), past which it would quietly run
-    # the step eagerly: made an error here
-    options = dict(max_length=128, decode_span_bucket=bucket)
+    options = dict(max_length=128)
     eager = RolloutEngine(model, torch.device("cpu"), torch.float32, **options)
     compiled = RolloutEngine(model, torch.device("cpu"), torch.float32, compile_decode=True, **options)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
@@ -299,29 +245,6 @@ def test_compiled_decode_and_sample_gives_the_eager_tokens(family, bucket):
             assert outs[0].tokens == outs[1].tokens
             torch.testing.assert_close(torch.tensor(outs[0].logprobs), torch.tensor(outs[1].logprobs),
                                        atol=1e-5, rtol=0)
-
-
-@needs_a_compiler
-def test_a_decode_step_compiled_in_pieces_compiles_as_often_over_many_spans_as_over_one():
-    from torch._dynamo.utils import counters
-
-    model = make("qwen2")
-    prompts = ragged_prompts(5)  # the longest 12 tokens
-    compilations, spans = [], []
-    for new_tokens in (4, 60):  # positions up to 15: one 16-position span; up to 71: five
-        torch._dynamo.reset()
-        counters.clear()
-        engine = RolloutEngine(model, torch.device("cpu"), torch.float32, max_length=128, compile_decode=True,
-                               decode_span_bucket=16)
-        runner, used = engine._runner, []
-        engine._runner = lambda mode, span: used.append(span) or runner(mode, span)
-        engine.generate(prompts, new_tokens, SamplingMode(0.0), [1], 0, ignore_eos=True)
-        compilations.append(counters["stats"]["unique_graphs"])
-        spans.append(used)
-    assert spans == [[16], [16, 32, 48, 64, 80]]
-    # a layer's head (every layer's), its tail, the final norm + LM head + sampling; a span shape
-    # inside any of them would add a compilation per span
-    assert compilations == [3, 3]
 
 
 def test_models_outside_the_supported_families_are_named():

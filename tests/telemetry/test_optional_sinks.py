@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from rlscale.config import Config, load_config
+from rlscale.config import Config
+from rlscale.config_loading import load_config
 from rlscale.errors import UserError
 from rlscale.telemetry import build_sinks
 

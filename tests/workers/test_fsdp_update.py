@@ -12,9 +12,10 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from rlscale.config import load_config
+from rlscale.config_loading import load_config
+from rlscale.rollout.sampling import SamplingParams
 from rlscale.workers.batch import build_train_batch
-from rlscale.workers.policy import PolicyWorker, SamplingParams
+from rlscale.workers.policy import PolicyWorker
 
 OVERRIDES = ["policy.train_micro_batch_tokens=32", "policy.max_total_sequence_length=32", "policy.cpu_threads=1",
              "loss.reference_policy_kl_penalty=0"]

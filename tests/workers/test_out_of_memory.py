@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlscale.ckpt import faults
-from rlscale.config import load_config
+from rlscale.config_loading import load_config
 from rlscale.errors import GiB, OutOfMemory, UserError, advice_for, is_out_of_memory, out_of_memory
 from rlscale.workers.group import LocalWorkerGroup, call_worker, memory_guarded
 

@@ -7,10 +7,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from rlscale.grpo.loss import token_logprobs_and_entropy
+from rlscale.models.logprob_head import packed_logprobs
 from rlscale.models.packed_attention import packed_kwargs, use_packed_attention
 from rlscale.workers.batch import build_train_batch
 from rlscale.workers.packing import pack_batch, pack_documents, plan_packs
-from rlscale.workers.policy import enable_activation_checkpointing, packed_logprobs
+from rlscale.workers.model_setup import enable_activation_checkpointing
 
 
 def test_plan_packs_respects_the_budget_and_keeps_every_document_once():

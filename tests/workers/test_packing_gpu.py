@@ -10,9 +10,10 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from rlscale.models.logprob_head import packed_logprobs
 from rlscale.models.packed_attention import use_packed_attention
 from rlscale.workers.packing import pack_documents
-from rlscale.workers.policy import compile_layers, packed_logprobs
+from rlscale.workers.model_setup import compile_layers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

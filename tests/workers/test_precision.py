@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from rlscale.config import load_config
+from rlscale.config_loading import load_config
 from rlscale.config import BF16_VANISHING_LR, bf16_update_kept_fraction, config_notes
 from rlscale.workers.precision import resolve_precision
 from rlscale.workers.stochastic_adamw import StochasticRoundingAdamW, stochastic_round_to_bf16

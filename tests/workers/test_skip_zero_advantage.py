@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlscale.config import load_config
+from rlscale.config_loading import load_config
 from rlscale.controller import train_on_rollouts
 from rlscale.workers.batch import Rollouts
 from rlscale.workers.group import LocalWorkerGroup

@@ -1,0 +1,70 @@
+"""The models a policy worker holds: the trained policy and the frozen reference, each loaded,
+prepared for packed micro-batches (rlscale.models.packed_attention), optionally checkpointed and
+compiled per layer, and FSDP2-sharded over the workers (rlscale.workers.distributed)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlscale.config import PolicyConfig
+from rlscale.models import load_model
+from rlscale.models.loading import local_weights_dir
+from rlscale.models.packed_attention import use_packed_attention
+from rlscale.models.sharded_load import load_sharded
+from rlscale.workers import distributed
+from rlscale.workers.precision import Precision
+
+
+def build_policy(policy: PolicyConfig, precision: Precision, device: torch.device, sharded: bool,
+                 world_size: int, compiled: bool):
+    """The trained model, in precision.weights. Sharded with the weights on local disk, it is
+    built on the meta device, each rank reading only the shards it keeps (no whole copy)."""
+
+    def prepare(model) -> None:
+        """Activation checkpointing, then compile, then FSDP2, as torchtitan orders them."""
+        model.config.use_cache = False
+        use_packed_attention(model, policy.attention_backend)
+        if policy.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        if compiled:
+            compile_layers(model)
+        if sharded:
+            distributed.shard_model(model, policy.fsdp_layers_per_unit, precision.fsdp_policy(world_size))
+
+    weights_dir = local_weights_dir(policy.model_name, policy.trust_remote_code)
+    if sharded and weights_dir is not None:
+        return load_sharded(weights_dir, precision.weights, device, prepare, policy.trust_remote_code)
+    model = load_model(policy.model_name, precision.weights, device, policy.trust_remote_code)
+    prepare(model)
+    return model
+
+
+def build_reference(policy: PolicyConfig, dtype: torch.dtype, device: torch.device, world_size: int,
+                    compiled: bool) -> tuple[torch.nn.Module, bool]:
+    """The frozen reference model in the compute dtype, and whether it is FSDP2-sharded
+    (policy.shard_reference; never at one worker)."""
+    reference = load_model(policy.model_name, dtype, device, policy.trust_remote_code)
+    reference.eval().requires_grad_(False)
+    use_packed_attention(reference, policy.attention_backend)
+    if compiled:
+        compile_layers(reference)
+    sharded = world_size > 1 and distributed.shard_reference(policy.shard_reference, reference, device)
+    if sharded:
+        distributed.shard_model(reference, policy.fsdp_layers_per_unit)
+    return reference, sharded
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in the backward (non-reentrant checkpoints)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def compile_layers(model) -> None:
+    """torch.compile every decoder layer in place (hooks, checkpointing and FSDP2 keep working);
+    shapes vary with each packed row, so they are compiled dynamic."""
+    for layer in model.get_decoder().layers:
+        layer.compile(dynamic=True)
