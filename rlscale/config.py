@@ -53,6 +53,37 @@ class GenerationConfig(_Section):
     compile: bool = Field(True, description="engine on CUDA: fuse the decode step and its sampling with "
                           "torch.compile before capturing it (compiles at the first generation of each "
                           "sampling mode)")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="the rollout engine's tensor-parallel size T: groups of T consecutive ranks on one "
+        "node generate together, each holding 1/T of the engine's weights (T must divide cluster.gpus_per_node "
+        "and the model's attention heads and intermediate size; NeMo-RL's "
+        "policy.generation.vllm_cfg.tensor_parallel_size is the same key)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_cfg_alias(cls, data: Any) -> Any:
+        """NeMo-RL's policy.generation.vllm_cfg.tensor_parallel_size is rlscale's tensor_parallel_size;
+        vllm_cfg's other keys configure vLLM, which rlscale does not run: refused by name."""
+        if not (isinstance(data, dict) and "vllm_cfg" in data):
+            return data
+        data = dict(data)
+        vllm = data.pop("vllm_cfg")
+        if vllm is None:
+            return data
+        if not isinstance(vllm, dict):
+            raise ValueError("policy.generation.vllm_cfg must be a mapping (of tensor_parallel_size only)")
+        for key in vllm:
+            if key != "tensor_parallel_size":
+                raise ValueError(f"policy.generation.vllm_cfg.{key} is not an rlscale setting (of vllm_cfg only "
+                                 "tensor_parallel_size is read, as policy.generation.tensor_parallel_size)")
+        if "tensor_parallel_size" in vllm:
+            size = vllm["tensor_parallel_size"]
+            if "tensor_parallel_size" in data and data["tensor_parallel_size"] != size:
+                raise ValueError(f"policy.generation.vllm_cfg.tensor_parallel_size={size} and "
+                                 f"policy.generation.tensor_parallel_size={data['tensor_parallel_size']} disagree "
+                                 "(they are one setting: give one)")
+            data["tensor_parallel_size"] = size
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -142,7 +173,8 @@ class PolicyConfig(_Section):
     keep_gathered: bool | None = Field(
         None, description="FSDP2: keep the whole policy gathered from the generation through the update and "
         "reduce gradients once per optimizer step (fewest collectives; costs the whole model and its "
-        "gradients per GPU); false = gather one unit at a time and reduce every micro-batch's gradients; "
+        "gradients per GPU); false = gather one unit at a time (for the rollout engine's weight sync, the "
+        "sharded reference's logprob pass and the update) and reduce every micro-batch's gradients; "
         "null = the memory plan decides (on when it fits)")
     fsdp_layers_per_unit: int = Field(
         6, ge=1, description="decoder layers per FSDP2 unit when sharded over several workers (one "
@@ -367,6 +399,7 @@ class Config(_Section):
     @model_validator(mode="after")
     def _check_sizes(self) -> Config:
         derive_sizes(self)  # raises ValueError on impossible combinations
+        check_tensor_parallel(self)
         ckpt = self.checkpointing
         if not ckpt.enabled and ckpt.resume not in ("auto", "never"):
             raise ValueError(f"checkpointing.resume={ckpt.resume} needs checkpointing.enabled=true "
@@ -503,6 +536,24 @@ def derive_sizes(cfg: Config) -> DerivedSizes:
         micro_batches_per_optimizer_step=per_worker // mbs,
         micro_batch_tokens=token_budget(cfg.policy, mbs),
     )
+
+
+def check_tensor_parallel(cfg: Config) -> None:
+    """policy.generation.tensor_parallel_size against the cluster and the generation backend; the
+    checks that need the model's shape (heads, intermediate size) are the memory plan's
+    (rlscale.memory_plan.check_tensor_parallel), made from config.json without the weights."""
+    gen, cluster = cfg.policy.generation, cfg.cluster
+    size = gen.tensor_parallel_size
+    if size == 1:
+        return
+    if gen.backend != "engine":
+        raise ValueError(f"policy.generation.tensor_parallel_size={size} needs policy.generation.backend=engine "
+                         f"(backend={gen.backend}: transformers generate holds the whole model on each GPU)")
+    world = cluster.num_nodes * cluster.gpus_per_node
+    if cluster.gpus_per_node % size or world % size:
+        raise ValueError(f"policy.generation.tensor_parallel_size={size} must divide cluster.gpus_per_node="
+                         f"{cluster.gpus_per_node} (a group of {size} consecutive ranks generates together on "
+                         "one node, never across nodes)")
 
 
 def flat_dict(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

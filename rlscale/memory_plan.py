@@ -3,13 +3,19 @@
 Made before any weight loads. It counts what the code allocates, per worker (one per GPU, W of them):
 - FSDP2 (W > 1, and W = 1 for fp32 master or stochastic rounding under 16-bit compute, see
   rlscale.workers.precision) shards the optimizer's weights, gradients and AdamW moments over W;
-- the policy is gathered whole in the compute dtype for the generation's weight sync; with
-  policy.keep_gathered it stays gathered until the update's last backward and gradients are
-  reduced once per optimizer step, else the update gathers one FSDP2 unit at a time and reduces
-  every micro-batch's gradients;
+- with policy.keep_gathered the policy is gathered whole in the compute dtype for the generation's
+  weight sync and stays gathered until the update's last backward, and gradients are reduced once
+  per optimizer step; with keep_gathered=false every pass gathers one FSDP2 unit at a time: the
+  weight sync (the root unit, then one unit of layers at a time, each copied into the engine and
+  freed), the sharded reference's pass and the update, which reduces every micro-batch's gradients;
 - the rollout engine keeps its own fused copy (compute dtype), its KV cache (slots × length) and
-  its CUDA-graph pool for the whole run;
-- the KL reference is whole per GPU unless sharded, and then gathered whole for its pass;
+  its CUDA-graph pool for the whole run; at policy.generation.tensor_parallel_size T, a group of T
+  GPUs generates its T ranks' samples together: each GPU holds 1/T of the engine's weights (the
+  norms replicated, the embedding and the LM head split by vocabulary), the KV cache of its
+  kv heads / T (one when T exceeds them: replicated) for the group's slots, and the full-vocabulary
+  logits of every slot (each rank gathers them to sample);
+- the KL reference is whole per GPU unless sharded, and then gathered whole for its pass
+  (keep_gathered) or one unit at a time;
 - with several micro-batches and keep_gathered, FSDP2 accumulates unsharded gradients (in fp32
   under its MixedPrecisionPolicy) until the last micro-batch's reduce-scatter.
 Figures are upper bounds: every sample policy.max_total_sequence_length long, every sample
@@ -129,10 +135,44 @@ class ModelShape:
         return self.num_hidden_layers * self.layer_parameters() + self.outside_parameters()
 
     def engine_supported(self, max_length: int) -> bool:
+        return self.engine_unsupported_reason(max_length) is None
+
+    def engine_unsupported_reason(self, max_length: int) -> str | None:
         """rlscale.rollout.weights.unsupported_reason, on the config's values."""
-        return (self.model_type in ENGINE_MODEL_TYPES and not self.mlp_bias
-                and self.hidden_act in ("silu", "gelu", "gelu_pytorch_tanh")
-                and (self.sliding_window is None or self.sliding_window >= max_length))
+        if self.model_type not in ENGINE_MODEL_TYPES:
+            return f"model type {self.model_type!r}"
+        if self.sliding_window is not None and self.sliding_window < max_length:
+            return f"sliding-window attention ({self.sliding_window} tokens < {max_length})"
+        if self.mlp_bias:
+            return "MLP biases"
+        if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh"):
+            return f"activation {self.hidden_act!r}"
+        return None
+
+    def tensor_parallel_problem(self, size: int, name: str = "the model") -> str | None:
+        """Why the rollout engine cannot split this shape over `size` GPUs (None when it can): each
+        rank takes heads / T query heads, kv heads / T kv heads (or one of them, replicated, when
+        T is a multiple of the kv heads) and intermediate / T of the MLP."""
+        key = f"policy.generation.tensor_parallel_size={size}"
+        if self.num_attention_heads % size:
+            return f"{key} must divide the attention heads of {name} (num_attention_heads={self.num_attention_heads})"
+        kv = self.num_key_value_heads
+        if kv % size and size % kv:
+            return (f"{key} and the KV heads of {name} (num_key_value_heads={kv}) must divide one another (each "
+                    "rank holds kv heads / T of them, or one of them replicated)")
+        if self.intermediate_size % size:
+            return f"{key} must divide the intermediate size of {name} (intermediate_size={self.intermediate_size})"
+        return None
+
+    def tensor_parallel_shard(self, size: int) -> ModelShape:
+        """What one rank of a T-way tensor-parallel engine holds, as a shape: heads / T, max(1,
+        kv heads / T), intermediate / T, vocabulary / T (rounded up) for the embedding and the LM
+        head; hidden size, norms and the o_proj / down_proj biases whole (replicated)."""
+        if size == 1:
+            return self
+        return replace(self, num_attention_heads=self.num_attention_heads // size,
+                       num_key_value_heads=max(1, self.num_key_value_heads // size),
+                       intermediate_size=self.intermediate_size // size, vocab_size=-(-self.vocab_size // size))
 
 
 def _qwen(h, layers, heads, kv, i, vocab, tied) -> ModelShape:
@@ -163,6 +203,24 @@ def load_shape(model_name: str) -> ModelShape | None:
             return None
     name = model_name.lower()
     return KNOWN_SHAPES.get(name.removesuffix("-instruct"))
+
+
+def check_tensor_parallel(cfg: Config, shape: ModelShape | None) -> None:
+    """policy.generation.tensor_parallel_size against the model's shape (config.json, no weights):
+    a UserError (one line) when the rollout engine cannot split it; nothing to check without a shape.
+    (The cluster's and the backend's checks are rlscale.config.check_tensor_parallel's.)"""
+    from rlscale.errors import UserError
+
+    size, p = cfg.policy.generation.tensor_parallel_size, cfg.policy
+    if size == 1 or shape is None:
+        return
+    reason = shape.engine_unsupported_reason(-(-p.max_total_sequence_length // 64) * 64)
+    if reason:
+        raise UserError(f"policy.generation.tensor_parallel_size={size} needs the rollout engine, which does not "
+                        f"run {p.model_name} ({reason}; it would fall back to transformers generate)")
+    problem = shape.tensor_parallel_problem(size, p.model_name)
+    if problem:
+        raise UserError(problem)
 
 
 def _config_path(model_name: str) -> Path | None:
@@ -279,11 +337,14 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool) 
     # the rollout engine: its KV cache is kept from one generation to the next (validation's too)
     length = -(-p.max_total_sequence_length // 64) * 64
     engine = p.generation.backend == "engine" and shape.engine_supported(length)
+    tp = p.generation.tensor_parallel_size if engine else 1
+    local = shape.tensor_parallel_shard(tp)  # what one GPU of the engine's group holds
+    groups = max(1, world // tp)  # each generates its tp ranks' samples together
     validates = g.val_at_start or g.val_at_end or g.val_period > 0
-    count = max(-(-g.num_prompts_per_step * g.num_generations_per_prompt // world),
-                -(-min(g.max_val_samples, EVAL_CHUNK) // world) if validates else 0)
+    count = max(-(-g.num_prompts_per_step * g.num_generations_per_prompt // groups),
+                -(-min(g.max_val_samples, EVAL_CHUNK) // groups) if validates else 0)
     slots = max(8, 1 << (count - 1).bit_length()) if engine and gpu and p.generation.cuda_graphs else count
-    kv_token = 2 * layers * shape.kv_width * c
+    kv_token = 2 * layers * local.kv_width * c
     prompt = p.max_total_sequence_length - p.generation.max_new_tokens
     prefill = max(min(ENGINE_PREFILL_TOKENS, count * prompt), prompt) if engine else count * prompt
 
@@ -293,12 +354,18 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool) 
             # gradients are freed after each optimizer step (their memory is the generation's)
             "gradients": 0, "moments": params * moments / share,
             "reference": params * c / (world if ref_sharded else 1) if reference else 0,
-            "rollout-engine weights": params * c if engine else 0,
+            "rollout-engine weights": local.parameter_count() * c if engine else 0,
             "KV cache": slots * length * kv_token if engine else 0,
             "decode buffers": slots * (vocab * DECODE_LOGITS_BYTES + p.generation.max_new_tokens * 12) if engine else 0}
     whole = params * c if sharded else 0  # the gathered policy: at the weight sync, and kept through the update
     gathered = whole if s.keep_gathered else 0
     gather = unit * c * (1 + 1 / world)  # one unit's all-gather output beside its parameters, and its input
+    streamed = sharded and engine and not s.keep_gathered  # the weight sync one FSDP2 unit at a time
+    layer_unit = min(p.fsdp_layers_per_unit, layers) * shape.layer_parameters()
+    # streamed: the root unit (embedding, final norm, LM head) gathered for the sync, and one unit of
+    # layers in flight (its all-gather output and input), copied into the engine and freed
+    sync_gather = (shape.outside_parameters() * c + layer_unit * c * (1 + 1 / world) if streamed
+                   else gather if sharded else 0)
 
     def phase(name, extra: dict, held: float = gathered) -> Phase:
         parts = dict(base)
@@ -311,6 +378,7 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool) 
         LOGITS_BYTES_COMPILED if compiled else LOGITS_BYTES_EAGER)
     outside = tokens * OUTSIDE_LAYERS_BYTES_PER_HIDDEN * hidden * scale
     forward_only = FORWARD_ONLY.per_token(shape, scale)
+    engine_forward = FORWARD_ONLY.per_token(local, scale)  # the MLP's intermediate split over the group
     saved = (SAVED_COMPILED if compiled else SAVED_EAGER).per_token(shape, scale)
     if s.activation_checkpointing:  # checkpoints, one layer recomputed, its backward's temporaries
         activations = tokens * (layers * CHECKPOINT_BYTES_PER_HIDDEN * hidden * scale + 2 * saved) + outside
@@ -332,15 +400,16 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool) 
     largest = max(vocab * hidden, shape.intermediate_size * hidden) / share
     step = largest * (STOCHASTIC_STEP_BYTES if master == "bf16_stochastic" else 0 if gpu else PLAIN_STEP_BYTES)
 
-    phases = [phase("weight sync", {"transient gathers": gather if sharded else 0}, held=whole),
-              phase("generation", {"activations": prefill * forward_only} if engine else {
+    phases = [phase("weight sync", {"transient gathers": sync_gather}, held=0 if streamed else whole),
+              phase("generation", {"activations": prefill * engine_forward} if engine else {
                   # transformers generate: its cache and logits live for the call only
                   "activations": prefill * forward_only, "decode buffers": count * vocab * DECODE_LOGITS_BYTES,
                   "KV cache": count * p.max_total_sequence_length * kv_token})]
     optimizer_steps = g.num_prompts_per_step * g.num_generations_per_prompt // p.train_global_batch_size
     if reference or optimizer_steps > 1:  # the reference's and pi_old's logprob passes
-        phases.append(phase("logprobs", {
-            "reference": params * c if ref_sharded else 0, "transient gathers": gather if ref_sharded else 0,
+        phases.append(phase("logprobs", {  # the sharded reference gathered whole, or one unit at a time
+            "reference": params * c if ref_sharded and s.keep_gathered else 0,
+            "transient gathers": gather if ref_sharded else 0,
             "activations": tokens * forward_only + outside, "logits chunk": logits}))
     phases.append(phase("update", {"gradients": grads, "transient gathers": reduce,
                                    "activations": activations, "logits chunk": logits, "head gradient": head}))
@@ -416,6 +485,7 @@ class MemoryPlan:
     fits: bool | None = None  # None: no verdict (no budget, or no shape)
     hint: str | None = None  # what would make it fit
     notes: tuple[str, ...] = ()
+    tensor_parallel_size: int = 1  # policy.generation.tensor_parallel_size
 
     @property
     def peak(self) -> Phase | None:
@@ -429,7 +499,7 @@ class MemoryPlan:
 
     def as_dict(self) -> dict:
         """The plan as JSON for the run's directory (memory_plan.json): GB per GPU by phase and component."""
-        return {"model": self.model_name, "world": self.world,
+        return {"model": self.model_name, "world": self.world, "tensor_parallel_size": self.tensor_parallel_size,
                 "budget_gb": None if self.budget is None else self.budget / GB, "fits": self.fits,
                 "picks": {f"policy.{p.key}": p.value for p in self.picks},
                 "phases": {ph.name: {"total_gb": ph.total / GB,
@@ -487,11 +557,16 @@ def plan_memory(cfg: Config, shape: ModelShape | None, budget_bytes: int | None,
              f"{'kept gathered through the update' if s.keep_gathered else 'gathered one unit at a time'}, "
              f"reference {reference}, {micro_batches} "
              f"micro-batch{'es' if micro_batches > 1 else ''} of {tokens} tokens per optimizer step",)
+    tp = p.generation.tensor_parallel_size
+    if tp > 1:
+        notes += (f"rollout engine tensor-parallel over {tp} GPUs: each holds 1/{tp} of its weights, the KV cache of "
+                  f"{shape.tensor_parallel_shard(tp).num_key_value_heads} of {shape.num_key_value_heads} kv heads for "
+                  f"its group's samples",)
     if usable is None:
-        return MemoryPlan(p.model_name, shape, world, None, tuple(phases), s, notes=notes)
+        return MemoryPlan(p.model_name, shape, world, None, tuple(phases), s, notes=notes, tensor_parallel_size=tp)
     picks = tuple(_picks(cfg, shape, world, gpu, usable, options, s)) if fits else ()
     hint = None if fits else _hint(cfg, shape, world, gpu, budget_bytes, s)
-    return MemoryPlan(p.model_name, shape, world, budget_bytes, tuple(phases), s, picks, fits, hint, notes)
+    return MemoryPlan(p.model_name, shape, world, budget_bytes, tuple(phases), s, picks, fits, hint, notes, tp)
 
 
 def _picks(cfg, shape, world, gpu, usable, options, chosen: Settings):
@@ -519,22 +594,38 @@ def _picks(cfg, shape, world, gpu, usable, options, chosen: Settings):
 
 
 def _hint(cfg, shape, world, gpu, budget, best: Settings) -> str:
-    """What would make it fit: nothing short of tensor-parallel generation below a whole-model
-    floor; else other values of the user's settings, more GPUs, or less work per GPU."""
+    """What would make it fit: nothing short of a larger tensor-parallel size (a T it fits at)
+    below a floor that more GPUs do not lower; else other values of the user's settings, a larger
+    T, more GPUs, or less work per GPU."""
     usable, c = usable_bytes(budget), _compute_bytes(cfg, gpu, best.master_weights)
+    tp = cfg.policy.generation.tensor_parallel_size
     engine = any(ph.components["rollout-engine weights"] for ph in _phases(cfg, shape, best, world, gpu))
-    floor = shape.parameter_count() * c * (2 if engine else 1)
-    if floor > usable:
-        what = "the rollout engine's whole {0} copy and the gathered policy" if engine else "the gathered {0} policy"
-        return (f"{what.format('bf16' if c == 2 else 'fp32')} alone take {floor / GB:.1f} GB per GPU at any GPU count: "
-                "needs tensor-parallel generation (policy.generation.tensor_parallel_size, not yet available)")
+    # what no GPU count shrinks: the engine's copy (1/T of it), and the gathered policy where the
+    # user keeps it gathered for the sync (else streamed) or transformers generate gathers it
+    gathered = not engine or cfg.policy.keep_gathered is True
+    floor = (shape.tensor_parallel_shard(tp).parameter_count() * c if engine else 0) \
+        + (shape.parameter_count() * c if gathered else 0)
     free = _options(cfg, shape, world, gpu, budget, free=True)
+    no_bf16 = [m for m in free["master_weights"] if m != "bf16" or cfg.policy.master_weights == m]
+    if floor > usable:
+        dtype = "bf16" if c == 2 else "fp32"
+        copy = f"whole {dtype} copy" if tp == 1 else f"{dtype} shard (1/{tp} of its weights)"
+        what = (f"the rollout engine's {copy}{' and the gathered policy' if gathered else ''}" if engine
+                else f"the gathered {dtype} policy (transformers generate gathers it)")
+        why = f"{what} alone take{'' if engine and gathered else 's'} {floor / GB:.1f} GB per GPU at any GPU count"
+        larger = _larger_tensor_parallel(cfg, shape, world, gpu, usable, {**free, "master_weights": no_bf16}, best)
+        return f"{why}: {larger}" if larger else (
+            f"{why}, and at no policy.generation.tensor_parallel_size up to cluster.gpus_per_node="
+            f"{cfg.cluster.gpus_per_node} that the model allows it fits")
 
     def fitting(masters):
         return _search(cfg, shape, world, gpu, usable, {**free, "master_weights": masters})
 
-    s, phases, fits = fitting([m for m in free["master_weights"] if m != "bf16" or cfg.policy.master_weights == m])
+    s, phases, fits = fitting(no_bf16)
     if not fits:
+        larger = _larger_tensor_parallel(cfg, shape, world, gpu, usable, {**free, "master_weights": no_bf16}, best)
+        if larger:
+            return larger
         more = next((n for n in (world * 2 ** k for k in range(1, 14)) if cfg.policy.train_global_batch_size % n == 0
                      and _search(cfg, shape, n, gpu, usable, _options(cfg, shape, n, gpu, budget))[2]), None)
         if more:
@@ -542,19 +633,49 @@ def _hint(cfg, shape, world, gpu, budget, best: Settings) -> str:
         if "bf16" in free["master_weights"] and cfg.policy.master_weights != "bf16":  # the last resort
             s, phases, fits = fitting(["bf16"])
     if fits:
-        changed = [key for key in PICKED_KEYS if getattr(s, key) != getattr(best, key)]
-        users = [key for key in changed if getattr(cfg.policy, key) not in (None, "auto")]  # the plan does the rest
-        changed = ", ".join(f"policy.{key}={json.dumps(getattr(s, key))}" for key in users or changed)
         caveat = " (whose AdamW rounds small updates away)" if "bf16" == s.master_weights != best.master_weights else ""
-        return f"it fits with {changed}{caveat}, peak {_peak(phases).total / GB:.1f} GB"
+        return f"it fits with {_changed(cfg, s, best)}{caveat}, peak {_peak(phases).total / GB:.1f} GB"
     samples = -(-cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // world)
     return (f"shorten policy.max_total_sequence_length (now {cfg.policy.max_total_sequence_length}) or generate fewer "
             f"samples per GPU (now {samples})")
 
 
+def _changed(cfg, s: Settings, best: Settings, first: str = "") -> str:
+    """The settings to set for `s` (the user's that differ from `best`; the plan does the rest)."""
+    changed = [key for key in PICKED_KEYS if getattr(s, key) != getattr(best, key)]
+    users = [key for key in changed if getattr(cfg.policy, key) not in (None, "auto")]
+    return ", ".join([first] * bool(first) + [f"policy.{key}={json.dumps(getattr(s, key))}"
+                                              for key in users or ([] if first else changed)])
+
+
+def _larger_tensor_parallel(cfg, shape, world, gpu, usable, options, best: Settings) -> str | None:
+    """'it fits with policy.generation.tensor_parallel_size=T ...' for the smallest T above the
+    current one (from 1 under backend=hf: 'policy.generation.backend=engine' then) that the node
+    (a divisor of cluster.gpus_per_node) and the model's shape allow and at which the run fits, the
+    plan picking the settings the user left open; None when none does or the engine cannot run it."""
+    gen, per_node = cfg.policy.generation, cfg.cluster.gpus_per_node
+    if not shape.engine_supported(-(-cfg.policy.max_total_sequence_length // 64) * 64):
+        return None
+    switch = gen.backend != "engine"
+    for size in range(1 if switch else gen.tensor_parallel_size + 1, per_node + 1):
+        if per_node % size or shape.tensor_parallel_problem(size):
+            continue
+        larger = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={
+            "generation": gen.model_copy(update={"tensor_parallel_size": size, "backend": "engine"})})})
+        s, phases, fits = _search(larger, shape, world, gpu, usable, options)
+        if fits:
+            keys = (["policy.generation.backend=engine"] * switch
+                    + [f"policy.generation.tensor_parallel_size={size}"] * (size != gen.tensor_parallel_size))
+            return f"it fits with {_changed(cfg, s, best, ', '.join(keys))}, peak {_peak(phases).total / GB:.1f} GB"
+    return None
+
+
 def plan_for(cfg: Config) -> MemoryPlan:
-    """The plan of cfg's run on this machine's GPU (or cluster.gpu_memory_gb)."""
-    return plan_memory(cfg, load_shape(cfg.policy.model_name), budget_bytes(cfg))
+    """The plan of cfg's run on this machine's GPU (or cluster.gpu_memory_gb); a UserError (one
+    line) first when the model's shape cannot be split at policy.generation.tensor_parallel_size."""
+    shape = load_shape(cfg.policy.model_name)
+    check_tensor_parallel(cfg, shape)
+    return plan_memory(cfg, shape, budget_bytes(cfg))
 
 
 def resolve(cfg: Config) -> tuple[Config, MemoryPlan]:

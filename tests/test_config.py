@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 import pytest
@@ -114,6 +115,26 @@ def test_parse_override_splits_at_the_first_equals_sign():
      "config: checkpointing.resume=/ckpt/step_8 needs checkpointing.enabled=true"),
     (TWO_STEPS + ["policy.train_global_batch_size=100"],
      "config: policy.train_global_batch_size=100 must divide grpo.num_prompts_per_step × grpo.num_generations_per_prompt = 256"),
+    (["policy.generation.tensor_parallel_size=0"],
+     "config key 'policy.generation.tensor_parallel_size': input should be greater than or equal to 1 (got 0)"),
+    (["cluster.gpus_per_node=4", "policy.train_global_batch_size=8", "policy.generation.tensor_parallel_size=3"],
+     "config: policy.generation.tensor_parallel_size=3 must divide cluster.gpus_per_node=4 (a group of 3 consecutive "
+     "ranks generates together on one node, never across nodes)"),
+    (["policy.generation.tensor_parallel_size=2"],  # one GPU
+     "config: policy.generation.tensor_parallel_size=2 must divide cluster.gpus_per_node=1"),
+    ([*SEED_OVERRIDES, "policy.generation.tensor_parallel_size=16"],  # 8 nodes of 8: a group would span two
+     "config: policy.generation.tensor_parallel_size=16 must divide cluster.gpus_per_node=8"),
+    (["cluster.gpus_per_node=2", "policy.generation.tensor_parallel_size=2", "policy.generation.backend=hf"],
+     "config: policy.generation.tensor_parallel_size=2 needs policy.generation.backend=engine (backend=hf: "
+     "transformers generate holds the whole model on each GPU)"),
+    (["cluster.gpus_per_node=2", "policy.generation.vllm_cfg.tensor_parallel_size=2",
+      "policy.generation.tensor_parallel_size=1"],
+     "config key 'policy.generation': policy.generation.vllm_cfg.tensor_parallel_size=2 and "
+     "policy.generation.tensor_parallel_size=1 disagree (they are one setting: give one)"),
+    (["policy.generation.vllm_cfg.gpu_memory_utilization=0.6"],
+     "config key 'policy.generation': policy.generation.vllm_cfg.gpu_memory_utilization is not an rlscale setting"),
+    (["policy.generation.vllm_cfg.tensor_parallel_size=two"],
+     "config key 'policy.generation.tensor_parallel_size': input should be a valid integer"),
 ])
 def test_errors_name_the_key(overrides, message):
     with pytest.raises(UserError) as caught:
@@ -121,6 +142,69 @@ def test_errors_name_the_key(overrides, message):
     text = str(caught.value)
     assert text.startswith(message), text
     assert "\n" not in text
+
+
+def test_tensor_parallel_size_and_its_nemo_rl_name(tmp_path):
+    assert load_config(None, []).policy.generation.tensor_parallel_size == 1
+    on_8 = [*SEED_OVERRIDES]  # 8 nodes of 8 GPUs
+    assert load_config(None, [*on_8, "policy.generation.tensor_parallel_size=8"]).policy.generation \
+        .tensor_parallel_size == 8
+    assert load_config(None, [*on_8, "policy.generation.vllm_cfg.tensor_parallel_size=4"]).policy.generation \
+        .tensor_parallel_size == 4
+    both = [*on_8, "policy.generation.vllm_cfg.tensor_parallel_size=8", "policy.generation.tensor_parallel_size=8"]
+    assert load_config(None, both).policy.generation.tensor_parallel_size == 8  # the same value twice
+    # a NeMo-RL config's section, as its YAML writes it; the resolved config names rlscale's key only
+    path = tmp_path / "nemo.yaml"
+    path.write_text("cluster:\n  gpus_per_node: 8\npolicy:\n  train_global_batch_size: 8\n  generation:\n"
+                    "    vllm_cfg:\n      tensor_parallel_size: 2\n")
+    cfg = load_config(path)
+    assert cfg.policy.generation.tensor_parallel_size == 2
+    assert "vllm_cfg" not in cfg.to_dict()["policy"]["generation"]
+    (tmp_path / "resolved.yaml").write_text(cfg.to_yaml())
+    assert load_config(tmp_path / "resolved.yaml") == cfg
+    path.write_text("policy:\n  generation:\n    vllm_cfg: null\n")
+    assert load_config(path).policy.generation.tensor_parallel_size == 1
+
+
+def _model_dir(tmp_path, **changes):
+    """A local model directory with a Qwen2 config.json (no weights: the checks read only the shape)."""
+    config = {"model_type": "qwen2", "hidden_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 16,
+              "num_key_value_heads": 4, "intermediate_size": 2816, "vocab_size": 1000, **changes}
+    path = tmp_path / "-".join(f"{k}{v}" for k, v in changes.items())
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("changes, size, message", [
+    ({"num_attention_heads": 12, "num_key_value_heads": 12}, 8,
+     "policy.generation.tensor_parallel_size=8 must divide the attention heads of {model} (num_attention_heads=12)"),
+    ({"num_key_value_heads": 3, "num_attention_heads": 12}, 2,
+     "policy.generation.tensor_parallel_size=2 and the KV heads of {model} (num_key_value_heads=3) must divide one "
+     "another (each rank holds kv heads / T of them, or one of them replicated)"),
+    ({"intermediate_size": 2820}, 8,
+     "policy.generation.tensor_parallel_size=8 must divide the intermediate size of {model} (intermediate_size=2820)"),
+    ({"model_type": "gpt_neox"}, 2,
+     "policy.generation.tensor_parallel_size=2 needs the rollout engine, which does not run {model} (model type "
+     "'gpt_neox'; it would fall back to transformers generate)"),
+])
+def test_tensor_parallel_size_must_split_the_model(tmp_path, changes, size, message):
+    """The shape's checks: where the memory plan reads config.json (a dry run, a run's start)."""
+    from rlscale import memory_plan
+
+    model = _model_dir(tmp_path, **changes)
+    cfg = load_config(None, [f"policy.model_name={model}", "cluster.gpus_per_node=8",
+                             "policy.train_global_batch_size=8", f"policy.generation.tensor_parallel_size={size}",
+                             "cluster.gpu_memory_gb=80"])
+    with pytest.raises(UserError) as caught:
+        memory_plan.plan_for(cfg)
+    assert str(caught.value) == message.format(model=model)
+    # 8 kv heads over 8 ranks, or 4 over 8 (each rank keeps one, replicated): both split
+    for kv in (8, 4):
+        fine = load_config(None, [f"policy.model_name={_model_dir(tmp_path, num_key_value_heads=kv)}",
+                                  "cluster.gpus_per_node=8", "policy.train_global_batch_size=8",
+                                  "policy.generation.tensor_parallel_size=8", "cluster.gpu_memory_gb=80"])
+        assert memory_plan.plan_for(fine).tensor_parallel_size == 8
 
 
 def test_the_removed_decode_span_bucket_is_refused_in_one_line_naming_it(tmp_path):

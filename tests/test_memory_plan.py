@@ -125,24 +125,27 @@ def test_unknown_shape_gives_one_line_and_does_not_block():
 
 
 def test_seed_72b_job_is_refused_naming_the_whole_model_floor():
-    cfg, plan_ = plan(SEED_72B, None)
+    # with the policy kept gathered (the user's policy.keep_gathered=true), the weight sync gathers it whole
+    cfg, plan_ = plan([*SEED_72B, "policy.keep_gathered=true"], None)
     assert mp.budget_bytes(cfg) == 180 * 10**9
-    cfg, plan_ = plan(SEED_72B, mp.budget_bytes(cfg))
+    cfg, plan_ = plan([*SEED_72B, "policy.keep_gathered=true"], mp.budget_bytes(cfg))
     p = qwen2_params(8192, 80, 64, 8, 29568, 152064, False)  # 72.7e9
     # the rollout engine's bf16 copy and the gathered bf16 policy: 2 × 2 bytes a parameter, at any GPU count
     floor = 2 * 2 * p
     assert f"{floor / GB:.1f}" == "290.8"
     line = plan_.refusal()
+    # the hint: the smallest tensor-parallel size that fits, with the setting of the user's to change
+    # (T = 2 by hand: test_seed_72b_job_at_t1_streams_its_sync_and_is_told_the_tensor_parallel_size)
     assert line == (f"memory plan: the logprobs phase needs {plan_.peak.total / GB:.1f} GB per GPU, more than the "
                     f"{usable(180e9) / GB:.1f} GB usable of 180.0 GB: the rollout engine's whole bf16 copy and the "
-                    f"gathered policy alone take 290.8 GB per GPU at any GPU count: needs tensor-parallel generation "
-                    "(policy.generation.tensor_parallel_size, not yet available)")
-    # under the least-memory settings (the policy gathered one unit at a time) the reference's pass
-    # holds the engine copy and the gathered reference: 2 × 2 bytes, as the weight sync does
-    assert plan_.peak.total > floor and not plan_.settings.keep_gathered
+                    f"gathered policy alone take 290.8 GB per GPU at any GPU count: it fits with "
+                    "policy.generation.tensor_parallel_size=2, policy.keep_gathered=false, peak 170.6 GB")
+    # kept gathered, the reference's pass holds the engine copy, the gathered policy and the gathered
+    # reference: 3 × 2 bytes a parameter
+    assert plan_.peak.total > 3 * 2 * p > floor and plan_.settings.keep_gathered
     assert not plan_.fits and plan_.picks == ()
 
-    # its weight sync, by hand, under the least-memory settings (bf16_stochastic, reference sharded)
+    # its weight sync, by hand, under the least-memory settings left (bf16_stochastic, reference sharded)
     sync = phase(plan_, "weight sync")
     layer = qwen2_params(8192, 1, 64, 8, 29568, 0, True) - 8192  # one decoder layer
     unit = max(6 * layer, 2 * 152064 * 8192 + 8192)  # 6 layers per FSDP2 unit, or the root
@@ -157,10 +160,172 @@ def test_seed_72b_job_is_refused_naming_the_whole_model_floor():
 
 
 def test_seed_72b_job_without_the_reference_peaks_in_the_update():
-    cfg, plan_ = plan([*SEED_72B, "loss.reference_policy_kl_penalty=0"], 180 * 10**9)
+    cfg, plan_ = plan([*SEED_72B, "loss.reference_policy_kl_penalty=0", "policy.keep_gathered=true"], 180 * 10**9)
     assert [ph.name for ph in plan_.phases] == ["weight sync", "generation", "update", "optimizer step"]
     assert plan_.refusal().startswith(f"memory plan: the {plan_.peak.name} phase needs ")
     assert "290.8 GB per GPU at any GPU count" in plan_.refusal()
+
+
+def test_seed_72b_job_at_t1_streams_its_sync_and_is_told_the_tensor_parallel_size():
+    """Left to the plan, keep_gathered=false syncs one FSDP2 unit at a time: no gathered policy. At
+    T = 1 each GPU's whole engine copy (145.4 GB) still leaves too little; T = 2 fits."""
+    cfg, plan_ = plan(SEED_72B, 180 * 10**9)
+    p = qwen2_params(8192, 80, 64, 8, 29568, 152064, False)
+    assert not plan_.fits and not plan_.settings.keep_gathered and plan_.settings.shard_reference
+    assert plan_.settings.master_weights == "bf16_stochastic"
+    assert plan_.refusal() == (f"memory plan: the update phase needs {plan_.peak.total / GB:.1f} GB per GPU, more "
+                               f"than the {usable(180e9) / GB:.1f} GB usable of 180.0 GB: it fits with "
+                               "policy.generation.tensor_parallel_size=2, peak 170.6 GB")
+    sync = phase(plan_, "weight sync")
+    layer = qwen2_params(8192, 1, 64, 8, 29568, 0, True) - 8192  # one decoder layer
+    root = 2 * 152064 * 8192 + 8192  # embedding, LM head, final norm: FSDP2's root unit
+    expected = ((2 + 8) * p / 64  # bf16 weights, fp32 moments: sharded over 64
+                + 2 * p / 64  # the reference, sharded
+                + 2 * p  # the rollout engine's whole copy (T = 1)
+                + 8 * 4096 * 2 * 80 * 8 * 128 * 2  # KV cache: 8 slots (4 samples → bucket 8) × 4096, bf16
+                + 8 * (152064 * 16 + 3584 * 12)  # decode buffers
+                + 2 * root  # the root unit, gathered for the whole sync
+                + 6 * layer * 2 * (1 + 1 / 64))  # one unit of 6 layers in flight: all-gather output and input
+    assert sync.total == pytest.approx(expected, rel=1e-12)
+    assert sync.components["training weights"] == 0  # no gathered policy
+    # the reference's pass gathers it one unit at a time too: the sharded copy, no whole one
+    assert phase(plan_, "logprobs").components["reference"] == pytest.approx(2 * p / 64, rel=1e-12)
+
+
+# ---------------------------------------------------------------- tensor-parallel generation
+
+
+def test_seed_72b_job_fits_on_b200s_at_tensor_parallel_size_8():
+    """The reference job (NeMo-RL's 70B recipe on 8 × 8 B200): at T = 8 each GPU holds 1/8 of the
+    engine, the KV cache of one of the 8 kv heads for its group's 32 samples, and the sync
+    streams the policy one unit at a time. Every component worked out by hand below."""
+    cfg, plan_ = plan([*SEED_72B, "policy.generation.tensor_parallel_size=8"], 180 * 10**9)
+    assert plan_.fits and plan_.refusal() is None and plan_.tensor_parallel_size == 8
+    assert {k.key: k.value for k in plan_.picks} == {"master_weights": "fp32", "shard_reference": True,
+                                                     "activation_checkpointing": True, "keep_gathered": False}
+    p = qwen2_params(8192, 80, 64, 8, 29568, 152064, False)  # 72,706,203,648
+    layer = qwen2_params(8192, 1, 64, 8, 29568, 0, True) - 8192  # 877,684,736
+    root = 2 * 152064 * 8192 + 8192
+    unit = 6 * layer  # 5.27e9 > the root's 2.49e9
+    # one rank of the engine: q 8 heads of 128, k and v one kv head (8 / 8), o; the MLP's 29568 / 8;
+    # both norms whole; the embedding and the LM head 152064 / 8 rows each, the final norm whole
+    engine_layer = 8192 * (1024 + 2 * 128) + 1024 * 8192 + (1024 + 2 * 128) + 3 * 8192 * 3696 + 2 * 8192
+    engine = 2 * (80 * engine_layer + 2 * 19008 * 8192 + 8192)
+    assert engine / GB == pytest.approx(2 * p / 8 / GB, abs=0.01)  # 18.2 GB: 72.71B × 2 bytes / 8, norms whole
+    base = {"master weights": 4 * p / 64,  # fp32, sharded over 64: 4.5
+            "moments": 8 * p / 64,  # 9.1
+            "reference": 2 * p / 64,  # bf16, sharded: 2.3
+            "rollout-engine weights": engine,  # 18.2
+            # the group generates its 8 ranks' 8 × 4 samples: 32 slots × 4096, one kv head of 128: 5.4
+            "KV cache": 32 * 4096 * 2 * 80 * 1 * 128 * 2,
+            "decode buffers": 32 * (152064 * 16 + 3584 * 12)}  # full-vocabulary logits per slot: 0.08
+    tokens = 4 * 4096  # 4 samples a GPU: one micro-batch of 16384 tokens
+    outside = tokens * 12 * 8192
+    by_hand = {
+        # the root unit gathered (5.0) and one unit of 6 layers in flight, output and input (10.7)
+        "weight sync": 2 * root + unit * 2 * (1 + 1 / 64),
+        # prefill of 16384 tokens: residual and norms (12 × 8192), the rank's MLP (8 × 29568 / 8)
+        "generation": 16384 * (12 * 8192 + 8 * 3696),
+        # the reference's pass one unit at a time: a unit's gather, one layer's forward, a logits chunk
+        "logprobs": unit * 2 * (1 + 1 / 64) + tokens * (12 * 8192 + 8 * 29568) + outside + 2048 * 152064 * 4,
+        # a unit's bf16 gradients twice (21.1), its fp32 reduce-scatter (21.4), checkpointed activations
+        # (80 layers' bf16 inputs and two layers' saved tensors: 31.7), a logits chunk, the head's gradient (12.5)
+        "update": 2 * unit * 2 + unit * 4 * (1 + 1 / 64)
+        + tokens * (80 * 2 * 8192 + 2 * (6 * 8192 + 4 * 8192 + 4 * 1024 + 6 * 29568)) + outside
+        + 2048 * 152064 * 4 + 152064 * 8192 * (2 * 4 + 2),
+        "optimizer step": 4 * p / 64,  # the fp32 gradients, resharded (fused AdamW: no temporaries)
+    }
+    totals = {name: (sum(base.values()) + extra) / GB for name, extra in by_hand.items()}
+    assert {ph.name: ph.total / GB for ph in plan_.phases} == pytest.approx(totals, rel=1e-9)
+    # the planner's totals, GB per GPU
+    assert totals == pytest.approx({"weight sync": 55.2, "generation": 41.6, "logprobs": 58.6, "update": 127.4,
+                                    "optimizer step": 44.1}, abs=0.1)
+    assert usable(180e9) / GB == pytest.approx(172.6, abs=0.1)
+    line = next(line for line in plan_.lines() if "tensor-parallel" in line)
+    assert line.strip() == ("rollout engine tensor-parallel over 8 GPUs: each holds 1/8 of its weights, the KV "
+                            "cache of 1 of 8 kv heads for its group's samples")
+    assert plan_.as_dict()["tensor_parallel_size"] == 8
+
+
+# NeMo-RL's recipe on one node of 8 H200s (141 GB) with the 32B: sequences of 1024 (its 512 prompt
+# tokens, 512 new), 32 prompts × 8 samples, the KL penalty on
+SEED_32B = [*SEED_OVERRIDES, "policy.model_name=Qwen/Qwen2.5-32B-Instruct", "cluster.num_nodes=1",
+            "cluster.gpu_memory_gb=141", "policy.max_total_sequence_length=1024",
+            "policy.generation.max_new_tokens=512"]
+
+
+def test_32b_on_8_h200s_fits_at_tensor_parallel_size_4():
+    for size in (1, 2):  # the whole engine copy (65.5 GB), or half of it (32.8), does not leave enough
+        cfg, refused = plan([*SEED_32B, f"policy.generation.tensor_parallel_size={size}"], 141 * 10**9)
+        assert refused.refusal().endswith(": it fits with policy.generation.tensor_parallel_size=4, peak 126.0 GB")
+    cfg, plan_ = plan([*SEED_32B, "policy.generation.tensor_parallel_size=4"], 141 * 10**9)
+    assert plan_.fits and {k.key: k.value for k in plan_.picks} == {
+        "master_weights": "bf16_stochastic", "train_micro_batch_tokens": 8192, "shard_reference": True,
+        "activation_checkpointing": True, "keep_gathered": False}
+    p = qwen2_params(5120, 64, 40, 8, 27648, 152064, False)  # 32,763,876,352
+    layer = qwen2_params(5120, 1, 40, 8, 27648, 0, True) - 5120  # 487,605,248
+    unit, root = 6 * layer, 2 * 152064 * 5120 + 5120
+    # one rank: 10 of 40 heads, 2 of 8 kv heads, 27648 / 4 of the MLP, 152064 / 4 rows of embedding and head
+    engine_layer = 5120 * (1280 + 2 * 256) + 1280 * 5120 + (1280 + 2 * 256) + 3 * 5120 * 6912 + 2 * 5120
+    engine = 2 * (64 * engine_layer + 2 * 38016 * 5120 + 5120)  # 16.4 GB = 32.76B × 2 bytes / 4
+    base = (2 * p / 8 + 8 * p / 8  # bf16 weights (stochastic rounding), fp32 moments, sharded over 8: 8.2 + 32.8
+            + 2 * p / 8  # the reference, sharded: 8.2
+            + engine
+            + 128 * 1024 * 2 * 64 * 256 * 2  # a group of 4 ranks' 128 samples × 1024, 2 kv heads: 8.6
+            + 128 * (152064 * 16 + 512 * 12))  # full-vocabulary decode buffers: 0.3
+    tokens = 8192  # 32 samples a GPU in 4 micro-batches of 8192 tokens (a quarter of the derived 32768)
+    outside = tokens * 12 * 5120
+    by_hand = {
+        "weight sync": 2 * root + unit * 2 * (1 + 1 / 8),  # the root (3.1) and one unit in flight (6.6)
+        "generation": 16384 * (12 * 5120 + 8 * 6912),  # prefill, the MLP split over 4: 1.9
+        "logprobs": unit * 2 * (1 + 1 / 8) + tokens * (12 * 5120 + 8 * 27648) + outside + 2048 * 152064 * 4,
+        # earlier micro-batches' sharded bf16 gradients (8.2), a unit's twice (11.7), its fp32 reduce (13.2),
+        # checkpointed activations (9.5), a logits chunk (1.2), the head's gradient (7.8)
+        "update": 2 * p / 8 + 2 * unit * 2 + unit * 4 * (1 + 1 / 8)
+        + tokens * (64 * 2 * 5120 + 2 * (6 * 5120 + 4 * 5120 + 4 * 1024 + 6 * 27648)) + outside
+        + 2048 * 152064 * 4 + 152064 * 5120 * (2 * 4 + 2),
+        # the bf16 gradients resharded, StochasticRoundingAdamW's 24 bytes over the largest parameter's shard
+        "optimizer step": 2 * p / 8 + 152064 * 5120 / 8 * 24,
+    }
+    totals = {name: (base + extra) / GB for name, extra in by_hand.items()}
+    assert {ph.name: ph.total / GB for ph in plan_.phases} == pytest.approx(totals, rel=1e-9)
+    assert totals == pytest.approx({"weight sync": 84.1, "generation": 76.3, "logprobs": 85.1, "update": 126.0,
+                                    "optimizer step": 85.0}, abs=0.1)
+
+
+def test_32b_on_8_h200s_at_sequences_of_4096_fits_at_no_tensor_parallel_size():
+    # 32 samples × 4096 a GPU: a KV cache of 34.4 GB at every T (T × the slots, 1/T of the kv heads)
+    # and the update's activations; the hint skips T (none fits) and asks for more GPUs
+    overrides = [*SEED_32B, "policy.max_total_sequence_length=4096", "policy.generation.max_new_tokens=3584"]
+    for size in (1, 2, 4, 8):
+        cfg, plan_ = plan([*overrides, f"policy.generation.tensor_parallel_size={size}"], 141 * 10**9)
+        assert not plan_.fits and plan_.hint.startswith("it fits on 16 GPUs") == (size >= 4)
+        assert phase(plan_, "generation").components["KV cache"] == 256 // (8 // size) * 4096 * 2 * 64 * (
+            8 // size) * 128 * 2
+    assert plan_.peak.name == "update" and plan_.peak.total / GB == pytest.approx(172.4, abs=0.1)
+
+
+def test_tensor_parallel_shard_of_a_shape():
+    shape = mp.load_shape("Qwen/Qwen2.5-72B-Instruct")
+    assert shape.tensor_parallel_shard(1) is shape
+    eighth = shape.tensor_parallel_shard(8)
+    assert (eighth.num_attention_heads, eighth.num_key_value_heads, eighth.intermediate_size, eighth.vocab_size,
+            eighth.hidden_size, eighth.head_dim) == (8, 1, 3696, 19008, 8192, 128)
+    # past the kv heads, each rank keeps one of them (replicated): 1.5B's 2 kv heads over 4
+    small = mp.load_shape("Qwen/Qwen2.5-1.5B").tensor_parallel_shard(4)
+    assert (small.num_attention_heads, small.num_key_value_heads, small.vocab_size) == (3, 1, 37984)
+    assert mp.load_shape("Qwen/Qwen2.5-7B").tensor_parallel_problem(8) == (
+        "policy.generation.tensor_parallel_size=8 must divide the attention heads of the model "
+        "(num_attention_heads=28)")
+    assert shape.tensor_parallel_problem(8) is None
+
+
+def test_a_user_who_keeps_the_policy_gathered_is_told_to_stream_it():
+    cfg, plan_ = plan([*SEED_72B, "policy.generation.tensor_parallel_size=8", "policy.keep_gathered=true"],
+                      180 * 10**9)
+    assert not plan_.fits and plan_.hint == "it fits with policy.keep_gathered=false, peak 127.4 GB"
+    # gathered, the sync holds the whole bf16 policy (145.4 GB) beside the engine's eighth
+    assert phase(plan_, "weight sync").components["training weights"] / GB == pytest.approx(145.4, abs=0.1)
 
 
 # ---------------------------------------------------------------- picks

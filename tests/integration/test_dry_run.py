@@ -69,11 +69,55 @@ def test_dry_run_imports_no_model_or_data_library(tmp_path):
 
 def test_dry_run_of_the_seed_job_on_b200s_is_refused_by_the_memory_plan(tmp_path):
     """With a budget (cluster.gpu_memory_gb) the plan gives a verdict: the seed's 72B cannot fit
-    while every GPU holds the rollout engine's whole copy; the table is printed, then one line."""
+    while every GPU holds the rollout engine's whole copy; the table is printed, then one line
+    naming the tensor-parallel size that fits."""
     result = run_cli("train", "--dry-run", *SEED_OVERRIDES, "cluster.gpu_memory_gb=180", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.output
     assert result.stderr.strip().splitlines() == [
-        "rlscale: error: memory plan: the logprobs phase needs 316.1 GB per GPU, more than the 172.6 GB usable "
-        "of 180.0 GB: the rollout engine's whole bf16 copy and the gathered policy alone take 290.8 GB per GPU at "
-        "any GPU count: needs tensor-parallel generation (policy.generation.tensor_parallel_size, not yet available)"]
-    assert "#   peak: logprobs 316.1 GB; budget 180.0 GB" in result.stdout
+        "rlscale: error: memory plan: the update phase needs 217.3 GB per GPU, more than the 172.6 GB usable "
+        "of 180.0 GB: it fits with policy.generation.tensor_parallel_size=2, peak 166.5 GB"]
+    assert "#   peak: update 217.3 GB; budget 180.0 GB" in result.stdout
+
+
+# NeMo-RL's 70B recipe: sequences of 4096, 3584 of them generated (tests/test_memory_plan.py's SEED_72B)
+RECIPE_72B = [*SEED_OVERRIDES, "policy.max_total_sequence_length=4096", "policy.generation.max_new_tokens=3584",
+              "cluster.gpu_memory_gb=180"]
+
+
+def test_dry_run_of_the_reference_job_at_tensor_parallel_size_8_fits(tmp_path):
+    result = run_cli("train", "--dry-run", *RECIPE_72B, "policy.generation.vllm_cfg.tensor_parallel_size=8",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    config_text, _, plan_text = result.stdout.partition("# derived sizes")
+    printed = yaml.safe_load(config_text)
+    assert printed["policy"]["generation"]["tensor_parallel_size"] == 8  # NeMo-RL's name, rlscale's key
+    assert printed["policy"]["keep_gathered"] is False  # the plan's pick: the sync one unit at a time
+    assert "#   rollout engine tensor-parallel over 8 GPUs: each holds 1/8 of its weights" in plan_text
+    totals = next(line for line in plan_text.splitlines() if line.startswith("#   total"))
+    assert totals.split()[2:] == ["55.2", "41.6", "58.6", "127.4", "44.1"]
+    assert "#   peak: update 127.4 GB; budget 180.0 GB, 172.6 usable after 2 GB + 3% reserved: fits" in plan_text
+
+
+def test_dry_run_refuses_a_tensor_parallel_size_the_model_or_the_nodes_cannot_take(tmp_path):
+    """One line each, naming the key and its value: checked at the dry run from config.json's shape
+    (the built-in shapes for hub ids: no weights, no download)."""
+    cases = [
+        (["policy.model_name=Qwen/Qwen2.5-7B-Instruct", "policy.generation.tensor_parallel_size=8"],
+         "rlscale: error: policy.generation.tensor_parallel_size=8 must divide the attention heads of "
+         "Qwen/Qwen2.5-7B-Instruct (num_attention_heads=28)"),
+        (["policy.generation.tensor_parallel_size=16"],
+         "rlscale: error: config: policy.generation.tensor_parallel_size=16 must divide cluster.gpus_per_node=8 "
+         "(a group of 16 consecutive ranks generates together on one node, never across nodes)"),
+        (["policy.generation.tensor_parallel_size=8", "policy.generation.backend=hf"],
+         "rlscale: error: config: policy.generation.tensor_parallel_size=8 needs policy.generation.backend=engine "
+         "(backend=hf: transformers generate holds the whole model on each GPU)"),
+        (["policy.generation.tensor_parallel_size=8", "policy.generation.vllm_cfg.tensor_parallel_size=4"],
+         "rlscale: error: config key 'policy.generation': policy.generation.vllm_cfg.tensor_parallel_size=4 and "
+         "policy.generation.tensor_parallel_size=8 disagree (they are one setting: give one)"),
+    ]
+    for extra, line in cases:
+        result = run_cli("train", "--dry-run", *SEED_OVERRIDES, *extra, cwd=tmp_path)
+        assert result.returncode != 0 and "Traceback" not in result.output, extra
+        assert result.stderr.strip().splitlines() == [line], extra
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
