@@ -10,6 +10,7 @@ rlscale/run_dir.py's.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 import traceback
@@ -70,7 +71,6 @@ class Run:
         cfg, group, state = self.cfg, self.group, self.state
         sizes = derive_sizes(cfg)
         P, G = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
-        params = sampling_params(cfg)
         timer = StepTimer()
         self.last_saved = state.step if resumed_from else None
         progress.print(f"run dir {cfg.logger.log_dir}  |  {sizes.samples_per_step} samples/step, "
@@ -91,7 +91,8 @@ class Run:
                 problems = self.loader.next_batch(P)
                 texts = [p.text for p in problems for _ in range(G)]
                 answers = [p.answer for p in problems for _ in range(G)]
-                rollouts = generate_rollouts(group, texts, params)
+                # keyed by the step: the samples do not depend on the RNG state a resume restores
+                rollouts = generate_rollouts(group, texts, sampling_params(cfg, seed=generation_seed(cfg, step)))
             maybe_fault("loop.after_generate")
             self.abandon_step_if_stopping()
             with timer.section("reward"):
@@ -152,7 +153,7 @@ class Run:
 
     def validate(self) -> dict[str, float]:
         with _relabel_out_of_memory("generation", "validation"):  # the workers see a generation
-            return validate(self.cfg, self.group, self.val_problems, self.scorer).metrics("val")
+            return validate(self.cfg, self.group, self.val_problems, self.scorer, self.state.step).metrics("val")
 
     def validation_of_this_step(self) -> dict[str, float]:
         """The held-out metrics if they were measured at the current step, else none: a
@@ -215,18 +216,35 @@ class Run:
 # ------------------------------------------------------------------ the step's parts
 
 
-def sampling_params(cfg: Config, temperature: float | None = None) -> SamplingParams:
+def sampling_params(cfg: Config, temperature: float | None = None, seed: int | None = None) -> SamplingParams:
+    """A generation request from policy.generation. seed: the key of the request's sampling
+    (`generation_seed`); default: the one of an evaluation outside a run (grpo.seed's alone)."""
     gen = cfg.policy.generation
     return SamplingParams(
         temperature=gen.temperature if temperature is None else temperature,
         top_p=gen.top_p, top_k=gen.top_k, max_new_tokens=gen.max_new_tokens,
-        stop_strings=tuple(gen.stop_strings))
+        stop_strings=tuple(gen.stop_strings),
+        seed=generation_seed(cfg, 0, "evaluation") if seed is None else seed)
+
+
+def generation_seed(cfg: Config, step: int, purpose: str = "rollout") -> int:
+    """The sampling key of one generation request: a hash of grpo.seed, what the request is for
+    (rollout, validation, evaluation) and the GRPO step it belongs to (the step it generates for,
+    or the one after which it validates). With each sample's index in the request (its sample
+    id), the engine draws the same tokens however the request is split over the workers and
+    tensor-parallel groups, and a resumed run draws what the uninterrupted one did, with no
+    generation RNG state in the checkpoint. In [0, 2**31)."""
+    digest = hashlib.blake2b(f"{cfg.grpo.seed}:{purpose}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**31
 
 
 def generate_rollouts(group, texts: list[str], params: SamplingParams) -> Rollouts:
-    """Every worker samples its slice of the prompts; results are concatenated in order."""
+    """Every worker samples its slice of the prompts, each sample keyed by its index in `texts`
+    (see `generation_seed`); results are concatenated in order."""
     shards = split_evenly(texts, group.world_size)
-    parts = group.run_all("generate", [(shard, params, True) for shard in shards])  # the update follows
+    ids = split_evenly(list(range(len(texts))), group.world_size)
+    parts = group.run_all("generate", [(shard, params, True, shard_ids)  # the update follows
+                                       for shard, shard_ids in zip(shards, ids)])
     return Rollouts(*(sum((getattr(p, name) for p in parts), []) for name in
                       ("prompt_ids", "response_ids", "texts", "truncated", "logprobs", "prompt_cut")))
 
@@ -264,9 +282,11 @@ def train_on_rollouts(cfg: Config, group, rollouts: Rollouts, advantages: list[f
     return {**{f"train/{k}": v for k, v in summed.items()}, **memory}
 
 
-def validate(cfg: Config, group, problems, scorer) -> EvalResult:
+def validate(cfg: Config, group, problems, scorer, step: int = 0) -> EvalResult:
+    """Held-out metrics after `step` GRPO steps (0: before training)."""
     return evaluate(group, problems[: cfg.grpo.max_val_samples], scorer,
-                    sampling_params(cfg, temperature=cfg.grpo.val_temperature), k=1)
+                    sampling_params(cfg, temperature=cfg.grpo.val_temperature,
+                                    seed=generation_seed(cfg, step, "validation")), k=1)
 
 
 def sample_metrics(rollouts: Rollouts, rewards: torch.Tensor, scores) -> dict[str, float]:

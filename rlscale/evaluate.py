@@ -37,14 +37,17 @@ def is_correct(reward: float) -> bool:
 
 def evaluate(group, problems: list[Problem], scorer, params: SamplingParams, k: int = 1,
              chunk: int = 256) -> EvalResult:
-    """Generate k samples per problem (greedy when params.temperature == 0) and score them."""
+    """Generate k samples per problem (greedy when params.temperature == 0) and score them. Each
+    sample is keyed by its index among all of them (see rlscale.controller.generation_seed)."""
     texts = [p.text for p in problems for _ in range(k)]
     answers = [p.answer for p in problems for _ in range(k)]
     responses: list[str] = []
     lengths: list[int] = []
     for start in range(0, len(texts), chunk):
         shards = split_evenly(texts[start:start + chunk], group.world_size)
-        for rollouts in group.run_all("generate", [(shard, params) for shard in shards]):
+        ids = split_evenly(list(range(start, min(start + chunk, len(texts)))), group.world_size)
+        for rollouts in group.run_all("generate", [(shard, params, False, shard_ids)
+                                                   for shard, shard_ids in zip(shards, ids)]):
             responses += rollouts.texts
             lengths += [len(r) for r in rollouts.response_ids]
     scores = scorer.score(responses, answers)

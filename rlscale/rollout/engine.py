@@ -11,18 +11,32 @@ the prefill of the first generation that needs it; the host loop replays it and,
 `check_every` steps, reads back whether all sequences have stopped. With `compile_decode` the
 step (forward and sampling) is compiled whole before capture. On CPU the same step runs eagerly
 (the path the tests exercise).
+
+Tensor parallelism (`tp`, `tensor_parallel.py`): every rank of the group runs the same
+`generate` on the same prompts with 1/T of the weights; the forward pass all-reduces and gathers
+inside each step (`forward.py`), so all ranks hold the same full logits, sample the same tokens
+(keyed draws: `seed`) and take the same host decisions (stops, early exit), calling the same
+collectives in the same order. With an NCCL group the decode step stays one capturable unit, its
+collectives inside the CUDA graph (NCCL kernels can be captured; untested here, CPU only); with
+gloo (CPU tests) collectives cannot be captured, so graphs and compile are off.
+
+Keyed sampling (`generate(..., seed=)`): each draw is `keyed_uniform(seed, the slot's sample id,
+the token's position in the response)`, prefill's first token included, so a sample's tokens do
+not depend on its batch, its slot or T; the seed and ids sit in the decode state's static buffers.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from rlscale.rollout.forward import DecoderForward, KVCache, rotary_table
-from rlscale.rollout.sampling import SamplingMode, sample_tokens, uniform_draws
+from rlscale.rollout.sampling import SamplingMode, keyed_uniform, sample_tokens, uniform_draws
+from rlscale.rollout.tensor_parallel import TensorParallel
 from rlscale.rollout.weights import DecodeWeights, unsupported_reason
 
 
@@ -60,6 +74,16 @@ class _DecodeState:
         self.out_logprobs = torch.zeros(slots, max_new_tokens, dtype=torch.float32, device=device)
         self.eos = torch.tensor(eos_ids or [-1], dtype=torch.long, device=device)
         self.pad_id = pad_id
+        # keyed draws: read by the step, set per generation (sample ids of padding slots unused)
+        self.seed = torch.zeros(1, dtype=torch.long, device=device)
+        self.sample_ids = torch.zeros(slots, dtype=torch.long, device=device)
+
+    def draws(self, rows: slice, mode: SamplingMode, keyed: bool) -> torch.Tensor | None:
+        """The uniform draws for slots `rows`' tokens at response position `step` (None: greedy)."""
+        if mode.greedy:
+            return None
+        ids = self.sample_ids[rows]
+        return keyed_uniform(self.seed, ids, self.step) if keyed else uniform_draws(len(ids), ids.device)
 
     def written(self) -> list[torch.Tensor]:
         """The buffers a decode step writes (besides the KV cache)."""
@@ -70,12 +94,21 @@ class RolloutEngine:
     def __init__(self, source_model, device: torch.device, dtype: torch.dtype, max_length: int = 2048,
                  use_cuda_graphs: bool | None = None, check_every: int = 16, prefill_tokens: int = 16384,
                  compile_decode: bool = False, decode_attention: str = "auto", compile_mode: str | None = None,
-                 flex_kernel_options: dict | None = None):
+                 flex_kernel_options: dict | None = None, tp: TensorParallel | None = None, sync: bool = True):
+        """tp: this rank's place in a tensor-parallel group (None, or size 1: one device holds the
+        whole model). sync=False: the weights are left unfilled, for a streamed first sync through
+        `weights.copy_named` before the first generation."""
         reason = unsupported_reason(source_model.config, max_length)
         if reason:
             raise ValueError(f"rollout engine does not support {reason}")
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        if self.tp is not None and not self.tp.capturable():
+            if use_cuda_graphs or compile_decode:
+                warnings.warn("rollout engine: CUDA graphs and compile are off under a non-NCCL tensor-parallel "
+                              "group (its collectives cannot be captured)", stacklevel=2)
+            use_cuda_graphs, compile_decode = False, False
         self.device, self.dtype = torch.device(device), dtype
-        self.weights = DecodeWeights(source_model, self.device, dtype)
+        self.weights = DecodeWeights(source_model, self.device, dtype, self.tp, sync)
         self.shape = self.weights.shape
         self.max_length = max_length
         cos, sin = rotary_table(source_model, max_length, self.device, dtype)
@@ -115,19 +148,19 @@ class RolloutEngine:
         self.cache = self.state = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.cache = KVCache(self.shape, slots, length, self.device, self.dtype)
+        self.cache = KVCache(self.weights.local_shape, slots, length, self.device, self.dtype)
         self.state = _DecodeState(slots, max_new_tokens, self.device, pad_id, eos_ids)
 
     def _forward_and_sample(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                             mode: SamplingMode, uniform: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return sample_tokens(self.forward.decode(tokens, positions, cache), mode, uniform)
 
-    def _step(self, mode: SamplingMode) -> None:
+    def _step(self, mode: SamplingMode, keyed: bool = False) -> None:
         """One decode step on the static buffers: forward, sample, record, advance."""
         st = self.state
         # the draws are made here, outside the compiled region: the native rand is safe to capture
         # in the CUDA graph, a random op inside an inductor graph may replay the same numbers
-        uniform = None if mode.greedy else uniform_draws(len(st.tokens), self.device)
+        uniform = st.draws(slice(None), mode, keyed)
         tokens, logprobs = self._decode_and_sample(st.tokens, st.positions, self.cache, mode, uniform)
         tokens = torch.where(st.done, st.pad_id, tokens)
         st.out_tokens.index_copy_(1, st.step, tokens[:, None])
@@ -137,12 +170,13 @@ class RolloutEngine:
         st.positions.add_(1).clamp_(max=self.cache.max_length - 1)
         st.step.add_(1)
 
-    def _runner(self, mode: SamplingMode):
+    def _runner(self, mode: SamplingMode, keyed: bool = False):
         if not self.use_graphs:
-            return lambda: self._step(mode)
-        if mode not in self.graphs:
-            self.graphs[mode] = self._capture(mode)
-        return self.graphs[mode].replay
+            return lambda: self._step(mode, keyed)
+        key = (mode, keyed and not mode.greedy)  # keyed or torch.rand draws: two computations
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(mode, keyed)
+        return self.graphs[key].replay
 
     @contextmanager
     def _state_restored(self):
@@ -154,7 +188,7 @@ class RolloutEngine:
             for buffer, value in zip(self.state.written(), saved):
                 buffer.copy_(value)
 
-    def _warm_up(self, mode: SamplingMode) -> None:
+    def _warm_up(self, mode: SamplingMode, keyed: bool = False) -> None:
         """Two decode steps before a capture (compilation, allocator, kernel plans).
 
         Run inside `_state_restored`, after the state is set for a generation and before its
@@ -163,23 +197,23 @@ class RolloutEngine:
         (a step writes its position, then attends to it).
         """
         for _ in range(2):
-            self._step(mode)
+            self._step(mode, keyed)
             self.state.step.zero_()  # keeps the next step's output column in range
 
-    def _capture(self, mode: SamplingMode) -> torch.cuda.CUDAGraph:
+    def _capture(self, mode: SamplingMode, keyed: bool) -> torch.cuda.CUDAGraph:
         """Capture one decode step, leaving the state as it found it (set for the generation)."""
         start = time.perf_counter()
         with self._state_restored():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._warm_up(mode)
+                self._warm_up(mode, keyed)
             torch.cuda.current_stream().wait_stream(stream)
             if self.graph_pool is None:
                 self.graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
-                self._step(mode)
+                self._step(mode, keyed)
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - start
         return graph
@@ -188,13 +222,23 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, mode: SamplingMode,
-                 eos_ids: list[int], pad_id: int, stop_check=None, ignore_eos: bool = False) -> Generation:
+                 eos_ids: list[int], pad_id: int, stop_check=None, ignore_eos: bool = False,
+                 seed: int | None = None, sample_ids: list[int] | None = None) -> Generation:
         """Sample up to max_new_tokens after each prompt.
 
         stop_check(index, tokens) -> int | None: the response length at which a stop string ends
         sequence `index` (checked on the host every `check_every` steps and at the end).
+        seed: keyed draws, `keyed_uniform(seed, sample id, response position)` (int64 seed), so a
+        sample's tokens depend on its id, not on its batch or slot; None: torch.rand draws, except
+        under tensor parallelism, where a seed from rank 0 (`TensorParallel.shared_seed`) keeps the
+        ranks' draws alike. sample_ids: one per prompt (default 0..n-1), unique within a request.
         """
+        if seed is None and self.tp is not None and not mode.greedy:
+            seed = self.tp.shared_seed(self.device)
+        keyed = seed is not None
         count = len(prompts)
+        if sample_ids is not None and len(sample_ids) != count:
+            raise ValueError(f"{len(sample_ids)} sample ids for {count} prompts")
         longest = max(len(p) for p in prompts)
         length = round_up(longest + max_new_tokens, 64)
         if length > self.max_length:
@@ -211,8 +255,12 @@ class RolloutEngine:
         st.positions.zero_()
         st.positions[:count] = lengths
         st.tokens.fill_(pad_id)
+        if keyed:
+            st.seed.fill_(seed)
+            st.sample_ids.zero_()
+            st.sample_ids[:count] = torch.tensor(sample_ids if sample_ids is not None else range(count))
         capture_before = self.capture_s
-        run_step = self._runner(mode)  # captured, when new, before prefill
+        run_step = self._runner(mode, keyed)  # captured, when new, before prefill
         start = time.perf_counter()
         # prefill in row chunks so activations stay bounded for long prompts
         rows = max(1, self.prefill_tokens // max(longest, 1))
@@ -223,7 +271,7 @@ class RolloutEngine:
             for i, p in enumerate(chunk):
                 ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
             logits = self.forward.prefill(ids.to(self.device), lengths[first:first + len(chunk)], self.cache, first)
-            tokens, logprobs = sample_tokens(logits, mode)
+            tokens, logprobs = sample_tokens(logits, mode, st.draws(slice(first, first + len(chunk)), mode, keyed))
             st.out_tokens[first:first + len(chunk), 0] = tokens
             st.out_logprobs[first:first + len(chunk), 0] = logprobs
             st.tokens[first:first + len(chunk)] = tokens

@@ -10,6 +10,12 @@ compiled CUDA step's) reads only each slot's live blocks of it (`live_prefix_blo
 Each layer of a decode step is `decode_head` (norm, q/k/v, rotary, cache write), `decode_attend`
 and `block_tail` (o projection, MLP, shared with prefill), the layer's weights passed as arguments
 (`LayerWeights.head`, `LayerWeights.tail`).
+
+Under tensor parallelism (the weights' `tp`, `tensor_parallel.py`) a rank computes its own heads
+and intermediate slice: the embedding is all-reduced from each rank's vocabulary rows, o_proj's
+and down_proj's partial sums are all-reduced, and the logits of each rank's vocabulary shard are
+gathered, so every rank holds the same hidden states and full logits. Without tp none of these
+ops exist: the code path is the single-device one.
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class KVCache:
-    """Per layer: keys and values [slots, kv_heads, max_length, head_dim] (attention's own layout)."""
+    """Per layer: keys and values [slots, kv_heads, max_length, head_dim] (attention's own layout).
+    `shape`: the rank's (`DecodeWeights.local_shape`), so kv_heads are its own under tensor parallelism."""
 
     def __init__(self, shape: ModelShape, slots: int, max_length: int, device, dtype):
         size = (slots, shape.num_kv_heads, max_length, shape.head_dim)
@@ -108,7 +115,9 @@ class DecoderForward:
 
     def __init__(self, weights: DecodeWeights, cos: torch.Tensor, sin: torch.Tensor, decode_attention: str = "sdpa",
                  flex_kernel_options: dict | None = None):
-        self.w, self.s = weights, weights.shape
+        # the rank's heads, kv heads and intermediate size (the model's without tensor parallelism)
+        self.w, self.s, self.tp = weights, weights.local_shape, weights.tp
+        self.vocab_size, self.vocab_start = weights.shape.vocab_size, weights.slices.vocab.start
         self.cos, self.sin = cos, sin
         self.act = ACTIVATIONS[self.s.hidden_act]
         if decode_attention not in DECODE_ATTENTION:
@@ -138,19 +147,42 @@ class DecoderForward:
                    post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """A layer after attention: o projection, residual, post-attention norm, gated MLP, residual.
         The layer's weights come as arguments (`LayerWeights.tail`)."""
-        h = h + F.linear(attn, o, o_bias)
+        h = h + self._row_parallel(attn, o, o_bias)
         gate, up = F.linear(rms_norm(h, post_norm, self.s.rms_eps), gate_up).chunk(2, dim=-1)
-        return h + F.linear(self.act(gate) * up, down)
+        return h + self._row_parallel(self.act(gate) * up, down, None)
+
+    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """F.linear(x, weight, bias) where, under tp, weight holds only this rank's input columns:
+        the partial sums are all-reduced and the (whole) bias added once, after."""
+        if self.tp is None:
+            return F.linear(x, weight, bias)
+        out = self.tp.all_reduce(F.linear(x, weight))
+        return out if bias is None else out + bias
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; under tp a lookup in this rank's vocabulary rows (zero for tokens
+        outside them), all-reduced."""
+        if self.tp is None:
+            return F.embedding(tokens, self.w.embed)
+        rows = self.w.embed.shape[0]
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= rows)
+        h = F.embedding(local.clamp(0, rows - 1), self.w.embed).masked_fill(outside[..., None], 0)
+        return self.tp.all_reduce(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(h, self.w.final_norm, self.s.rms_eps), self.w.lm_head)
+        """[..., vocab]; under tp each rank's shard gathered, the padding rows' logits dropped."""
+        logits = F.linear(rms_norm(h, self.w.final_norm, self.s.rms_eps), self.w.lm_head)
+        if self.tp is None:
+            return logits
+        return self.tp.all_gather_last(logits)[..., :self.vocab_size]
 
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache, slot0: int) -> torch.Tensor:
         """Right-padded prompts [B, T] into cache slots slot0..slot0+B-1; returns the logits
         at each prompt's last token [B, vocab]."""
         batch, width = tokens.shape
         positions = torch.arange(width, device=tokens.device).expand(batch, width)
-        h = F.embedding(tokens, self.w.embed)
+        h = self.embed(tokens)
         for i, layer in enumerate(self.w.layers):
             q, k, v = self._qkv(rms_norm(h, layer.input_norm, self.s.rms_eps), positions, *layer.head[1:])
             k, v = k.transpose(1, 2), v.transpose(1, 2)
@@ -212,7 +244,7 @@ class DecoderForward:
         logits [B, vocab]."""
         slots = torch.arange(tokens.shape[0], device=tokens.device)
         visible = self.visible(positions, cache.max_length)
-        h = F.embedding(tokens, self.w.embed)
+        h = self.embed(tokens)
         for i, layer in enumerate(self.w.layers):
             keys, values = cache.keys[i], cache.values[i]
             q = self.decode_head(h, positions, slots, keys, values, *layer.head)

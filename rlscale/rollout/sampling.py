@@ -34,6 +34,7 @@ class SamplingParams:
     top_k: int | None = None
     max_new_tokens: int = 16
     stop_strings: tuple[str, ...] = ()
+    seed: int | None = None  # keyed draws (`keyed_uniform`): a sample's tokens independent of batch and T
 
     @property
     def mode(self) -> SamplingMode:
@@ -58,6 +59,36 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torc
 def uniform_draws(rows: int, device) -> torch.Tensor:
     """One U[0, 1) draw per row for `inverse_cdf_tokens` (native RNG op, safe in a CUDA graph)."""
     return torch.rand(rows, dtype=torch.float32, device=device)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _fold32(x: torch.Tensor) -> torch.Tensor:
+    """int64 -> its two 32-bit halves xor-ed, in [0, 2^32) (the identity on values already there)."""
+    return (x ^ (x >> 32)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash, a bijection of [0, 2^32) held in int64 (hash-prospector's
+    xorshift-multiply with shifts 16, 15, 15). Both multipliers are below 2^31, so a product of a
+    value below 2^32 stays below 2^63: no int64 overflow on any device."""
+    x = ((x ^ (x >> 16)) * 0x21F0AAAD) & _MASK32
+    x = ((x ^ (x >> 15)) * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
+
+
+def keyed_uniform(seed: int | torch.Tensor, sample_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """U[0, 1) draws [B] (float32, multiples of 2^-24) that are a pure function of (seed, sample
+    id, position): the token a sample draws at a response position does not depend on the batch it
+    is decoded in, its slot, or the tensor-parallel size. `sample_ids`, `positions`: int64 [B] (or
+    broadcastable, e.g. a [1] step counter); `seed`: an int, or an int64 tensor already on their
+    device (what a captured CUDA graph needs: the function is tensor ops only, no host sync)."""
+    seed = torch.as_tensor(seed, dtype=torch.int64, device=sample_ids.device)
+    h = _mix32(_fold32(seed) ^ 0x9E3779B9)  # the constant: seed 0 does not start from the fixed point 0
+    h = _mix32(h ^ _fold32(sample_ids))
+    h = _mix32(h ^ _fold32(positions))
+    return (h >> 8).to(torch.float32) * 2.0 ** -24
 
 
 def _below(x: torch.Tensor) -> torch.Tensor:

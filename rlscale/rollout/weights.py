@@ -3,14 +3,20 @@
 q/k/v projections are fused into one matrix and gate/up into another, so a decode step runs two
 matmuls where Hugging Face's modules run five. The tensors are allocated once; `sync_from`
 copies the trainer's current weights into them in place, so captured CUDA graphs stay valid
-across updates (weight sync without touching disk).
+across updates (weight sync without touching disk). `copy_named` is the same copy for a stream of
+(name, full tensor) pairs, one FSDP unit at a time; under tensor parallelism each rank keeps only
+its slice of every tensor (`tensor_parallel.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
+
+from rlscale.rollout.tensor_parallel import TensorParallel, rank_slices
 
 # Decoder-only families with the Llama block: RMSNorm, rotary attention (optionally q/k norms and
 # q/k/v biases), gated MLP. Others fall back to Hugging Face generate.
@@ -86,18 +92,53 @@ class LayerWeights:
         return self.o, self.o_bias, self.post_norm, self.gate_up, self.down
 
 
-class DecodeWeights:
-    """Fused weight tensors on the engine's device and dtype, filled by `sync_from`."""
+class _Target(NamedTuple):
+    """Where one source parameter goes: `tensor` (a view into the engine's tensors) receives the
+    slice of the full [`full_shape`] parameter starting at `start` along `dim`, as long as tensor is."""
 
-    def __init__(self, source_model, device: torch.device, dtype: torch.dtype):
+    tensor: torch.Tensor
+    full_shape: tuple[int, ...]
+    dim: int = 0
+    start: int = 0
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        if tuple(full.shape) == tuple(self.tensor.shape):
+            return full
+        return full.narrow(self.dim, self.start, self.tensor.shape[self.dim])
+
+
+class DecodeWeights:
+    """Fused weight tensors on the engine's device and dtype, filled by `sync_from` or `copy_named`.
+
+    With `tp`, only this rank's slices (`tensor_parallel.rank_slices`) are allocated: the fused
+    q/k/v rows of its query and kv heads (biases alike; q/k norms replicated), o_proj's columns of
+    its heads (o_proj's bias whole, added once after the all-reduce), gate/up rows and down columns
+    of its intermediate slice, and the embedding / LM head rows of its vocabulary shard (tied ones
+    one tensor; rows past the vocabulary are zeros). Norms are replicated. `shape` is the model's,
+    `local_shape` this rank's (heads, kv heads, intermediate, vocabulary rows; `shape` without tp).
+
+    `sync`: copy the source's parameters now (`sync_from`); False leaves the tensors unfilled for
+    a streamed sync (`copy_named` unit by unit) before the first generation.
+    """
+
+    def __init__(self, source_model, device: torch.device, dtype: torch.dtype, tp: TensorParallel | None = None,
+                 sync: bool = True):
         self.shape = s = model_shape(source_model.config)
+        self.tp = tp
+        self.slices = slices = rank_slices(s, tp)
+        self.local_shape = local = s if tp is None else replace(
+            s, num_heads=len(slices.q_heads), num_kv_heads=len(slices.kv_heads),
+            intermediate_size=len(slices.intermediate), vocab_size=len(slices.vocab))
         names = {name for name, _ in source_model.named_parameters()}
         has = lambda suffix: f"model.layers.0.{suffix}" in names  # noqa: E731
         empty = lambda *size: torch.empty(*size, device=device, dtype=dtype)  # noqa: E731
-        qkv_rows = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-        self.embed = empty(s.vocab_size, s.hidden_size)
+        qkv_rows = (local.num_heads + 2 * local.num_kv_heads) * s.head_dim
+        self.embed = empty(local.vocab_size, s.hidden_size)
         self.final_norm = empty(s.hidden_size)
-        self.lm_head = self.embed if s.tied_embeddings else empty(s.vocab_size, s.hidden_size)
+        self.lm_head = self.embed if s.tied_embeddings else empty(local.vocab_size, s.hidden_size)
+        # padding rows (tp): never copied into; zero embeddings, and logits the forward drops
+        self.embed[self._real_vocab_rows():].zero_()
+        self.lm_head[self._real_vocab_rows():].zero_()
         self.layers = [
             LayerWeights(
                 input_norm=empty(s.hidden_size),
@@ -105,61 +146,99 @@ class DecodeWeights:
                 qkv_bias=empty(qkv_rows) if has("self_attn.q_proj.bias") else None,
                 q_norm=empty(s.head_dim) if has("self_attn.q_norm.weight") else None,
                 k_norm=empty(s.head_dim) if has("self_attn.k_norm.weight") else None,
-                o=empty(s.hidden_size, s.num_heads * s.head_dim),
+                o=empty(s.hidden_size, local.num_heads * s.head_dim),
                 o_bias=empty(s.hidden_size) if has("self_attn.o_proj.bias") else None,
                 post_norm=empty(s.hidden_size),
-                gate_up=empty(2 * s.intermediate_size, s.hidden_size),
-                down=empty(s.hidden_size, s.intermediate_size))
+                gate_up=empty(2 * local.intermediate_size, s.hidden_size),
+                down=empty(s.hidden_size, local.intermediate_size))
             for _ in range(s.num_layers)]
         self.targets = self._targets()
-        self.sync_from(source_model)
+        if sync:
+            self.sync_from(source_model)
 
-    def _targets(self) -> dict[str, torch.Tensor | list[torch.Tensor]]:
-        """Source parameter name -> engine tensor (or the slices a fused tensor is cut into)."""
-        s = self.shape
-        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        out: dict = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm}
+    def _real_vocab_rows(self) -> int:
+        """This rank's vocabulary rows that are real tokens (the rest are padding)."""
+        return max(0, min(self.slices.vocab.stop, self.shape.vocab_size) - self.slices.vocab.start)
+
+    def _targets(self) -> dict[str, _Target]:
+        """Source parameter name -> where this rank's slice of it goes (fused tensors are cut into
+        views; without tp every slice is the whole parameter)."""
+        s, local, cut = self.shape, self.local_shape, self.slices
+        d, hidden = s.head_dim, s.hidden_size
+        q, kv = local.num_heads * d, local.num_kv_heads * d
+        vocab = _Target(self.embed[:self._real_vocab_rows()], (s.vocab_size, hidden), 0, cut.vocab.start)
+        out = {"model.embed_tokens.weight": vocab, "model.norm.weight": _Target(self.final_norm, (hidden,))}
         if not s.tied_embeddings:
-            out["lm_head.weight"] = self.lm_head
+            out["lm_head.weight"] = vocab._replace(tensor=self.lm_head[:self._real_vocab_rows()])
         for i, w in enumerate(self.layers):
             p = f"model.layers.{i}."
-            out[p + "input_layernorm.weight"] = w.input_norm
-            out[p + "post_attention_layernorm.weight"] = w.post_norm
+            out[p + "input_layernorm.weight"] = _Target(w.input_norm, (hidden,))
+            out[p + "post_attention_layernorm.weight"] = _Target(w.post_norm, (hidden,))
             for kind, fused in (("weight", w.qkv), ("bias", w.qkv_bias)):
                 if fused is not None:
-                    out[p + f"self_attn.q_proj.{kind}"] = fused[:q]
-                    out[p + f"self_attn.k_proj.{kind}"] = fused[q:q + kv]
-                    out[p + f"self_attn.v_proj.{kind}"] = fused[q + kv:]
-            out[p + "self_attn.o_proj.weight"] = w.o
+                    rest = tuple(fused.shape[1:])  # (hidden,) for the weight, () for the bias
+                    out[p + f"self_attn.q_proj.{kind}"] = _Target(fused[:q], (s.num_heads * d, *rest), 0,
+                                                                  cut.q_heads.start * d)
+                    for j, proj in enumerate(("k_proj", "v_proj")):
+                        out[p + f"self_attn.{proj}.{kind}"] = _Target(
+                            fused[q + j * kv:q + (j + 1) * kv], (s.num_kv_heads * d, *rest), 0, cut.kv_heads.start * d)
+            out[p + "self_attn.o_proj.weight"] = _Target(w.o, (hidden, s.num_heads * d), 1, cut.q_heads.start * d)
             for name, tensor in (("q_norm", w.q_norm), ("k_norm", w.k_norm)):
                 if tensor is not None:
-                    out[p + f"self_attn.{name}.weight"] = tensor
+                    out[p + f"self_attn.{name}.weight"] = _Target(tensor, (d,))
             if w.o_bias is not None:
-                out[p + "self_attn.o_proj.bias"] = w.o_bias
-            out[p + "mlp.gate_proj.weight"] = w.gate_up[:s.intermediate_size]
-            out[p + "mlp.up_proj.weight"] = w.gate_up[s.intermediate_size:]
-            out[p + "mlp.down_proj.weight"] = w.down
+                out[p + "self_attn.o_proj.bias"] = _Target(w.o_bias, (hidden,))
+            rows = local.intermediate_size
+            for j, proj in enumerate(("gate_proj", "up_proj")):
+                out[p + f"mlp.{proj}.weight"] = _Target(w.gate_up[j * rows:(j + 1) * rows],
+                                                        (s.intermediate_size, hidden), 0, cut.intermediate.start)
+            out[p + "mlp.down_proj.weight"] = _Target(w.down, (hidden, s.intermediate_size), 1, cut.intermediate.start)
         return out
+
+    def _skipped(self, name: str) -> bool:
+        """A source parameter with no target of its own: the LM head tied to the embedding."""
+        return name == "lm_head.weight" and self.shape.tied_embeddings
+
+    @torch.no_grad()
+    def copy_named(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy this rank's slice of each FULL source tensor (name, tensor) into place, in one
+        foreach copy; returns the target names filled (a tied LM head is skipped). Raises on a
+        name the engine does not know or a tensor that is not the full parameter, before copying.
+
+        The streamed weight sync: call it once per FSDP unit while that unit is gathered (the unit
+        may be released when it returns: the copies are queued on the current stream before any
+        later free), collect the returned names, and check `missing_after(names)` at the end."""
+        targets, values, filled = [], [], []
+        for name, value in pairs:
+            if self._skipped(name):
+                continue
+            target = self.targets.get(name)
+            if target is None:
+                raise ValueError(f"rollout engine: unexpected parameter {name!r}")
+            if tuple(value.shape) != target.full_shape:
+                raise ValueError(f"rollout engine: {name} has shape {tuple(value.shape)}, "
+                                 f"expected {target.full_shape} (is the model still sharded?)")
+            targets.append(target.tensor)
+            values.append(target.cut(value.detach()))
+            filled.append(name)
+        if targets:
+            torch._foreach_copy_(targets, values, non_blocking=True)
+        return filled
+
+    def missing_after(self, names: Iterable[str]) -> list[str]:
+        """The targets that `names` (what one sync's `copy_named` calls returned, all together)
+        leaves unfilled, sorted: a complete sync gives []."""
+        return sorted(set(self.targets).difference(names))
 
     @torch.no_grad()
     def sync_from(self, source_model) -> None:
-        """Copy the source model's current parameters in place (gathered when FSDP2-sharded),
-        all in one foreach copy: ~170 separate copies cost more in launches than in bytes."""
-        targets, values, seen = [], [], set()
-        for name, param in source_model.named_parameters():
-            if name not in self.targets:
-                if name == "lm_head.weight" and self.shape.tied_embeddings:
-                    continue
-                raise ValueError(f"rollout engine: unexpected parameter {name!r}")
-            value = param.full_tensor() if hasattr(param, "full_tensor") else param
-            target = self.targets[name]
-            if target.shape != value.shape:
-                raise ValueError(f"rollout engine: {name} has shape {tuple(value.shape)}, "
-                                 f"expected {tuple(target.shape)} (is the model still sharded?)")
-            targets.append(target)
-            values.append(value.detach())
-            seen.add(name)
-        missing = set(self.targets) - seen
+        """Copy the source model's current parameters in place (gathered when FSDP2-sharded), all
+        in one foreach copy: ~170 separate copies cost more in launches than in bytes. Every
+        gathered tensor is held until the copy: for a model gathered already, or a small one; a
+        model too large for that syncs unit by unit through `copy_named`."""
+        params = list(source_model.named_parameters())
+        missing = self.missing_after(name for name, _ in params)
         if missing:
-            raise ValueError(f"rollout engine: parameters missing from the model: {sorted(missing)[:3]}")
-        torch._foreach_copy_(targets, values, non_blocking=True)
+            raise ValueError(f"rollout engine: parameters missing from the model: {missing[:3]}")
+        self.copy_named((name, param.full_tensor() if hasattr(param, "full_tensor") else param)
+                        for name, param in params)

@@ -57,6 +57,33 @@ def shard_model(model, layers_per_unit: int = 1, mp_policy=None) -> None:
     fully_shard(model, **kwargs)
 
 
+def tensor_parallel_size(cfg) -> int:
+    """policy.generation.tensor_parallel_size: the workers that generate one batch together."""
+    return cfg.policy.generation.tensor_parallel_size
+
+
+def tensor_parallel_groups(size: int):
+    """This rank's tensor-parallel group: `size` consecutive ranks (the worker groups number ranks
+    by node, rlscale.workers.ray_group.ranks_by_node, so a group is on one node), and this rank's
+    rank within it. Every rank calls torch.distributed.new_group for every group, in the same
+    order (new_group is collective over the whole world). Returns (group, rank in group); a size
+    of 1 needs no group: (None, 0)."""
+    import torch.distributed as dist
+
+    if size == 1:
+        return None, 0
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if size < 1 or world % size:
+        raise ValueError(f"tensor-parallel size {size} does not divide the {world} workers")
+    mine = None
+    for start in range(0, world, size):
+        ranks = list(range(start, start + size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine, rank % size
+
+
 def max_over_workers(value: int, device: torch.device) -> int:
     """The largest `value` any worker of the process group holds."""
     import torch.distributed as dist
@@ -132,6 +159,45 @@ def gathered(model, enabled: bool = True, keep: bool = False):
             if not keep:
                 module.reshard()
             module.set_reshard_after_forward(True, recurse=False)
+
+
+def fsdp_units(model) -> list[tuple[torch.nn.Module, list[str]]]:
+    """The FSDP2 units of a model `shard_model` sharded, in its order (the blocks' units, then the
+    root): one module of each unit (a unit of several blocks shares one state: unsharding one
+    unshards all) and the model-level names of the parameters the unit shards (each parameter
+    belongs to its nearest sharded ancestor; a tied parameter counts once, under its first name)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = {name: module for name, module in model.named_modules() if isinstance(module, FSDPModule)}
+    if "" not in sharded:
+        raise ValueError("the model is not FSDP2-sharded at its root")
+    units: dict[int, tuple[torch.nn.Module, list[str]]] = {}
+    for name, module in sharded.items():
+        units.setdefault(id(module._get_fsdp_state()), (module, []))
+    for name, _ in model.named_parameters():
+        parts = name.split(".")[:-1]
+        owner = next(".".join(parts[:n]) for n in range(len(parts), -1, -1) if ".".join(parts[:n]) in sharded)
+        units[id(sharded[owner]._get_fsdp_state())][1].append(name)
+    root = units.pop(id(model._get_fsdp_state()))
+    return [unit for unit in units.values() if unit[1]] + [root]
+
+
+@torch.no_grad()
+def streamed_sync(model, copy_named) -> list:
+    """Hand an FSDP2 model's full parameters to `copy_named` one unit at a time: unshard a unit,
+    `copy_named([(model-level name, full tensor), ...])` for its parameters, reshard it. The
+    transient memory is one unit's gathered parameters (in FSDP2's all-gather dtype), not the
+    whole model's: for a rollout engine that cannot hold the gathered model besides its own copy
+    (policy.keep_gathered=false). Every rank of the group calls it (each unshard is collective).
+    Returns what the calls returned, concatenated (the rollout engine's: the names it filled)."""
+    returned: list = []
+    for module, names in fsdp_units(model):
+        module.unshard()
+        try:
+            returned += copy_named([(name, model.get_parameter(name)) for name in names]) or []
+        finally:
+            module.reshard()
+    return returned
 
 
 def reshard(model, enabled: bool = True) -> None:

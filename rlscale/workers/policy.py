@@ -18,12 +18,14 @@ import warnings
 import torch
 
 from rlscale.config import Config, token_budget
+from rlscale.errors import UserError
 from rlscale.grpo.loss import grpo_token_loss
 from rlscale.models import PromptRenderer, load_tokenizer, pick_device
 from rlscale.models.logprob_head import packed_logprobs
 from rlscale.models.prompts import decode_responses
 from rlscale.workers.batch import Rollouts, TrainBatch
-from rlscale.rollout import RolloutEngine, SamplingParams, StopStrings, round_up, unsupported_reason
+from rlscale.rollout import (RolloutEngine, SamplingParams, StopStrings, TensorParallel, round_up,
+                             unsupported_reason)
 from rlscale.telemetry.memory import PhasePeaks
 from rlscale.telemetry.torch_profile import CallProfiler
 from rlscale.workers.hf_generate import hf_generate
@@ -65,6 +67,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
             if self.device.type == "cuda":
                 torch.cuda.set_device(distributed.local_gpu_index())
             distributed.init_process_group(rank, world_size, self.device, cfg.cluster.collective_timeout_s)
+        # tensor-parallel generation: the T consecutive ranks of a group generate one batch together
+        self.tp = self._tensor_parallel(distributed.tensor_parallel_size(cfg))
         self.tokenizer = load_tokenizer(policy.tokenizer_name or policy.model_name, policy.trust_remote_code,
                                         "policy.tokenizer_name" if policy.tokenizer_name else "policy.model_name")
         self.renderer = PromptRenderer(
@@ -87,6 +91,17 @@ class PolicyWorker(state_io.CheckpointableWorker):
         warmup = policy.scheduler.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: warmup_factor(s, warmup))
 
+    def _tensor_parallel(self, size: int) -> TensorParallel | None:
+        """This rank's tensor-parallel group for the rollout engine; None without tensor parallelism."""
+        if size == 1:
+            return None
+        if not self.sharded or self.world_size % size:
+            raise UserError(f"policy.generation.tensor_parallel_size={size} needs a multiple of {size} workers "
+                            f"in one torch.distributed group; this run has {self.world_size}"
+                            + ("" if self.sharded else " (not distributed)"))
+        group, rank = distributed.tensor_parallel_groups(size)
+        return TensorParallel(rank=rank, size=size, group=group)
+
     def ready(self) -> dict:
         """Small facts the controller needs; also tells a worker group the worker is up."""
         return {"pad_token_id": self.tokenizer.pad_token_id, "device": str(self.device), "rank": self.rank}
@@ -100,38 +115,79 @@ class PolicyWorker(state_io.CheckpointableWorker):
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, texts: list[str], params: SamplingParams, update_follows: bool = False) -> Rollouts:
+    def generate(self, texts: list[str], params: SamplingParams, update_follows: bool = False,
+                 sample_ids: list[int] | None = None) -> Rollouts:
         """Sample one response per prompt text (repeat texts for groups).
 
         update_follows: the next call is `train` on these samples, with the same weights, so
         FSDP2 parameters gathered for the engine stay gathered for the update's first forward
-        (one all-gather of the model per step instead of two)."""
+        (one all-gather of the model per step instead of two).
+        sample_ids: each text's index in the controller's whole request; with params.seed they key
+        the engine's sampling, so that a sample's tokens do not depend on how the request is split
+        over the workers or tensor-parallel groups (rlscale.controller.generate_rollouts)."""
+        if sample_ids is not None and len(sample_ids) != len(texts):
+            raise ValueError(f"generate: {len(sample_ids)} sample ids for {len(texts)} texts")
         with self.profiler.around("generate"), torch.no_grad():
-            rollouts = self._generate(texts, params, update_follows)
+            rollouts = self._generate(texts, params, update_follows, sample_ids)
         self.memory.end("generation")
         return rollouts
 
-    def _generate(self, texts: list[str], params: SamplingParams, update_follows: bool) -> Rollouts:
+    def _generate(self, texts: list[str], params: SamplingParams, update_follows: bool,
+                  sample_ids: list[int] | None) -> Rollouts:
         prompt_ids, prompt_cut = self.renderer.render_all(texts)
         engine = self._rollout_engine()
         if engine is None:
             rollouts = hf_generate(self.model, self.tokenizer, prompt_ids, params, self.device, self.sharded)
             return dataclasses.replace(rollouts, prompt_cut=prompt_cut)
         tok = self.tokenizer
-        with distributed.gathered(self.model, self.sharded, keep=update_follows and self.keep_gathered):
-            engine.sync_weights(self.model)  # in place, device to device; the engine then decodes alone
+        self._sync_engine(engine, keep=update_follows and self.keep_gathered)
         self.profiler.mark("gather and sync weights")
         self.memory.end("weight sync")  # the engine's first build and capture included
-        out = engine.generate(
-            prompt_ids, params.max_new_tokens, params.mode,
-            eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
-            stop_check=StopStrings(tok, params.stop_strings) if params.stop_strings else None)
-        self.last_generation_timings = out.timings
+        # a tensor-parallel group generates its ranks' prompts as one batch, each rank keeping its share
+        prompts, ids, mine = self._tensor_parallel_batch(prompt_ids, sample_ids)
+        if prompts:
+            out = engine.generate(
+                prompts, params.max_new_tokens, params.mode,
+                eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
+                stop_check=StopStrings(tok, params.stop_strings) if params.stop_strings else None,
+                seed=params.seed, sample_ids=ids)
+            tokens, logprobs, stopped = out.tokens[mine], out.logprobs[mine], out.stopped[mine]
+            self.last_generation_timings = out.timings
+        else:  # nothing to generate in this group (fewer prompts than workers)
+            tokens, logprobs, stopped = [], [], []
         self.profiler.mark("engine generate")
-        decoded = decode_responses(tok, out.tokens)
-        return Rollouts(prompt_ids=prompt_ids, response_ids=out.tokens, texts=decoded,
-                        truncated=[not stopped for stopped in out.stopped], logprobs=out.logprobs,
-                        prompt_cut=prompt_cut)
+        decoded = decode_responses(tok, tokens)
+        return Rollouts(prompt_ids=prompt_ids, response_ids=tokens, texts=decoded,
+                        truncated=[not s for s in stopped], logprobs=logprobs, prompt_cut=prompt_cut)
+
+    def _sync_engine(self, engine: RolloutEngine, keep: bool) -> None:
+        """The policy's current weights into the engine, in place, device to device (the engine
+        then decodes alone). With policy.keep_gathered the whole model is gathered (and kept so
+        for the update when `keep`); otherwise one FSDP2 unit at a time (the transient memory of
+        one unit: what the memory plan counts on when the gathered model does not fit)."""
+        if self.sharded and not self.keep_gathered:
+            filled = distributed.streamed_sync(self.model, engine.weights.copy_named)
+            missing = engine.weights.missing_after(filled)
+            if missing:
+                raise ValueError(f"rollout engine: the streamed sync left {missing[:3]} unfilled")
+            return
+        with distributed.gathered(self.model, self.sharded, keep=keep):
+            engine.sync_weights(self.model)
+
+    def _tensor_parallel_batch(self, prompt_ids: list[list[int]], sample_ids: list[int] | None):
+        """The batch this rank's engine generates: its own prompts without tensor parallelism;
+        with it, the prompts of every rank of its group, in group rank order (all_gather_object).
+        Returns (prompts, their sample ids or None, the slice of the result that is this rank's)."""
+        if self.tp is None:
+            return prompt_ids, sample_ids, slice(None)
+        import torch.distributed as dist
+
+        shares: list = [None] * self.tp.size
+        dist.all_gather_object(shares, (prompt_ids, sample_ids), group=self.tp.group)
+        start = sum(len(prompts) for prompts, _ in shares[:self.tp.rank])
+        prompts = [p for share, _ in shares for p in share]
+        ids = None if any(i is None for _, i in shares) else [i for _, share in shares for i in share]
+        return prompts, ids, slice(start, start + len(prompt_ids))
 
     def _rollout_engine(self) -> RolloutEngine | None:
         """Built at the first generation; None when configured off or the model is not supported."""
@@ -146,10 +202,12 @@ class PolicyWorker(state_io.CheckpointableWorker):
                 warnings.warn(f"policy.generation.backend=engine does not support {reason}; "
                               "using transformers generate", stacklevel=2)
                 return None
-            with distributed.gathered(self.model, self.sharded):
-                self._rollout = RolloutEngine(self.model, self.device, self.dtype, max_length,
-                                             use_cuda_graphs=gen.cuda_graphs and self.device.type == "cuda",
-                                             compile_decode=gen.compile and self.device.type == "cuda")
+            # built unfilled, from the model's config and parameter names (nothing gathered): the
+            # sync before each generation, `_sync_engine`, fills it
+            self._rollout = RolloutEngine(self.model, self.device, self.dtype, max_length,
+                                         use_cuda_graphs=gen.cuda_graphs and self.device.type == "cuda",
+                                         compile_decode=gen.compile and self.device.type == "cuda",
+                                         tp=self.tp, sync=False)
         return self._rollout
 
     # ------------------------------------------------------------------ training

@@ -2,9 +2,13 @@
 
 It imports Ray to place the policy workers as Ray actors and to read Ray's errors; starting or
 joining Ray, its sizing and GPU discovery are rlscale/ray_runtime.py. It places a placement group
-with one bundle per worker, starts one `PolicyWorker` actor per bundle with its rank environment,
-has them initialise torch.distributed (NCCL on GPU, gloo on CPU) on a port rank 0 picked free, and
-turns a dead worker into a one-line error naming its rank and the cause, never a hang.
+with one bundle per tensor-parallel group (policy.generation.tensor_parallel_size workers, so that
+a group never spans nodes; one worker per bundle without tensor parallelism), numbers the workers
+by node (`ranks_by_node`: the ranks of one node are consecutive, so each group of T consecutive
+ranks, rlscale.workers.distributed.tensor_parallel_groups, is on one node), starts one
+`PolicyWorker` actor per worker with its rank environment, has them initialise torch.distributed
+(NCCL on GPU, gloo on CPU) on a port rank 0 picked free on its node, and turns a dead worker into
+a one-line error naming its rank and the cause, never a hang.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from rlscale.ckpt.faults import ENV as FAULT_ENV
 from rlscale.config import Config
 from rlscale.errors import OutOfMemory, UserError, is_out_of_memory, out_of_memory
 from rlscale.ray_runtime import ray_module, start_ray
+from rlscale.workers.distributed import tensor_parallel_size
 
 
 def _rendezvous_impl() -> tuple[str, int]:
@@ -27,6 +32,22 @@ def _rendezvous_impl() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
+def ranks_by_node(bundle_nodes: list[str]) -> list[int]:
+    """The bundle of each rank, given each bundle's node: the bundles of one node get consecutive
+    ranks, rank 0's node (bundle 0's, where the rendezvous is) first, then the other nodes by id;
+    on a node, bundles keep their order. Ray's placement may interleave the nodes (bundle 1 on
+    another node than bundles 0 and 2): numbered by bundle, a node's ranks would not be
+    consecutive and a tensor-parallel group of consecutive ranks could span nodes."""
+    first = bundle_nodes[0] if bundle_nodes else None
+    return sorted(range(len(bundle_nodes)), key=lambda b: (bundle_nodes[b] != first, bundle_nodes[b], b))
+
+
+def _bundle_nodes(pg, count: int) -> list[str]:
+    """The node id of each of the placement group's bundles (placed: after pg.ready())."""
+    from ray.util.placement_group import placement_group_table
+
+    placed = placement_group_table(pg)["bundles_to_node_id"]
+    return [placed[b] for b in range(count)]
 
 
 class WorkerFailure(UserError):
@@ -40,32 +61,46 @@ class WorkerDied(WorkerFailure):
 class RayWorkerGroup:
     """Same two calls as the local group: run_all and run_rank0."""
 
-    def __init__(self, cfg: Config, use_gpus: bool, call_timeout_s: float | None = None):
+    def __init__(self, cfg: Config, use_gpus: bool, call_timeout_s: float | None = None, *,
+                 worker_cls: type | None = None, strategy: str = "PACK"):
+        """worker_cls: the actors' class (default PolicyWorker), constructed as (cfg, rank, world_size);
+        strategy: Ray's placement strategy of the bundles (tests spread them to interleave nodes)."""
         ray = ray_module()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from rlscale.workers.group import memory_guarded
-        from rlscale.workers.policy import PolicyWorker
+
+        if worker_cls is None:
+            from rlscale.workers.policy import PolicyWorker as worker_cls
 
         start_ray(cfg)
         self.world_size = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
-        bundle = {"CPU": cfg.cluster.cpus_per_worker}
-        if use_gpus:
-            bundle["GPU"] = 1
-        self._pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+        tp = tensor_parallel_size(cfg)  # divides cluster.gpus_per_node (rlscale.config.check_tensor_parallel)
+        # one bundle per tensor-parallel group: Ray places a bundle on one node
+        per_worker = {"CPU": cfg.cluster.cpus_per_worker, **({"GPU": 1} if use_gpus else {})}
+        bundle = {key: value * tp for key, value in per_worker.items()}
+        groups = self.world_size // tp
+        self._pg = placement_group([dict(bundle) for _ in range(groups)], strategy=strategy)
         ready, _ = ray.wait([self._pg.ready()], timeout=cfg.cluster.placement_timeout_s)
         if not ready:
             ray.util.remove_placement_group(self._pg)
+            what = f"{self.world_size} workers of {per_worker}" + (
+                f" in {groups} groups of {tp} on one node each" if tp > 1 else "")
             raise UserError(
-                f"cluster: {self.world_size} workers of {bundle} could not be placed within "
+                f"cluster: {what} could not be placed within "
                 f"{cfg.cluster.placement_timeout_s:.0f}s; the cluster has {ray.cluster_resources()}")
+        # ranks by node: rank r is worker r % tp of bundle order[r // tp]
+        bundle_nodes = _bundle_nodes(self._pg, groups)
+        order = ranks_by_node(bundle_nodes)
+        self.bundle_of_rank = [order[rank // tp] for rank in range(self.world_size)]
+        self.node_of_rank = [bundle_nodes[b] for b in self.bundle_of_rank]
         # Ray is a transport: the worker stays a plain class, whose out-of-memory errors become
         # rlscale.errors.OutOfMemory in the actor's process (its device's figures)
-        actor_cls = ray.remote(memory_guarded(PolicyWorker))
+        actor_cls = ray.remote(memory_guarded(worker_cls))
 
         def in_bundle(rank: int):
-            return PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank)
+            return PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=self.bundle_of_rank[rank])
 
         # Rank 0's node hosts the rendezvous; a port the OS hands out there cannot collide
         # with another run's.
@@ -80,7 +115,7 @@ class RayWorkerGroup:
             env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
         self.actors = [
             actor_cls.options(
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
+                num_cpus=per_worker["CPU"], num_gpus=per_worker.get("GPU", 0), max_restarts=0,
                 scheduling_strategy=in_bundle(rank),
                 runtime_env={"env_vars": {**env, "RANK": str(rank)}},
             ).remote(cfg, rank, self.world_size)

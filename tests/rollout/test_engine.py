@@ -208,11 +208,11 @@ def test_a_capture_warm_up_before_prefill_changes_nothing():
     reference = engine.generate(prompts, 60, SamplingMode(0.0), [1], 0, ignore_eos=True)
     runner, warmed = engine._runner, []
 
-    def runner_after_a_warm_up(mode):
+    def runner_after_a_warm_up(mode, keyed=False):
         with engine._state_restored():
-            engine._warm_up(mode)
+            engine._warm_up(mode, keyed)
         warmed.append(mode)
-        return runner(mode)
+        return runner(mode, keyed)
 
     engine._runner = runner_after_a_warm_up
     out = engine.generate(prompts, 60, SamplingMode(0.0), [1], 0, ignore_eos=True)
