@@ -331,7 +331,7 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool) 
     w = 4 if master == "fp32" else 2
     moments = 8 if master in ("fp32", "bf16_stochastic") else 2 * w
     unit = max(min(p.fsdp_layers_per_unit, layers) * shape.layer_parameters(), shape.outside_parameters())
-    compiled = p.compile if p.compile is not None else gpu
+    compiled = p.compile if p.compile is not None else gpu and not casts  # workers.model_setup.auto_compile
     scale = c / 2
 
     # the rollout engine: its KV cache is kept from one generation to the next (validation's too)

@@ -74,9 +74,9 @@ def test_dry_run_of_the_seed_job_on_b200s_is_refused_by_the_memory_plan(tmp_path
     result = run_cli("train", "--dry-run", *SEED_OVERRIDES, "cluster.gpu_memory_gb=180", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.output
     assert result.stderr.strip().splitlines() == [
-        "rlscale: error: memory plan: the update phase needs 217.3 GB per GPU, more than the 172.6 GB usable "
-        "of 180.0 GB: it fits with policy.generation.tensor_parallel_size=2, peak 166.5 GB"]
-    assert "#   peak: update 217.3 GB; budget 180.0 GB" in result.stdout
+        "rlscale: error: memory plan: the update phase needs 218.1 GB per GPU, more than the 172.6 GB usable "
+        "of 180.0 GB: it fits with policy.generation.tensor_parallel_size=2, peak 148.6 GB"]
+    assert "#   peak: update 218.1 GB; budget 180.0 GB" in result.stdout
 
 
 # NeMo-RL's 70B recipe: sequences of 4096, 3584 of them generated (tests/test_memory_plan.py's SEED_72B)
@@ -95,8 +95,8 @@ def test_dry_run_of_the_reference_job_at_tensor_parallel_size_8_fits(tmp_path):
     assert printed["policy"]["keep_gathered"] is False  # the plan's pick: the sync one unit at a time
     assert "#   rollout engine tensor-parallel over 8 GPUs: each holds 1/8 of its weights" in plan_text
     totals = next(line for line in plan_text.splitlines() if line.startswith("#   total"))
-    assert totals.split()[2:] == ["55.2", "41.6", "58.6", "127.4", "44.1"]
-    assert "#   peak: update 127.4 GB; budget 180.0 GB, 172.6 usable after 2 GB + 3% reserved: fits" in plan_text
+    assert totals.split()[2:] == ["55.2", "41.6", "62.3", "134.7", "44.1"]
+    assert "#   peak: update 134.7 GB; budget 180.0 GB, 172.6 usable after 2 GB + 3% reserved: fits" in plan_text
 
 
 def test_dry_run_refuses_a_tensor_parallel_size_the_model_or_the_nodes_cannot_take(tmp_path):

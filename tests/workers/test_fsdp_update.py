@@ -90,6 +90,9 @@ CASES = {
     "three_layer_units_after_generation": ([*OVERRIDES, "policy.fsdp_layers_per_unit=3"], True),
     # gradients reduce-scattered at every micro-batch and accumulated sharded
     "unit_at_a_time_after_generation": ([*OVERRIDES, "policy.keep_gathered=false"], True),
+    # the sharded reference's logprob pass one unit at a time too (each forward gathers its units)
+    "unit_at_a_time_sharded_reference": ([*OVERRIDES[:-1], "loss.reference_policy_kl_penalty=0.05",
+                                          "policy.shard_reference=true", "policy.keep_gathered=false"], True),
     # bf16 compute over fp32 master weights: one worker is an FSDP2 group of one, computing as two do
     "fp32_master_bf16_compute": ([*OVERRIDES, "policy.dtype=bfloat16"], False),
 }
