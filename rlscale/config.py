@@ -46,6 +46,9 @@ class GenerationConfig(_Section):
     top_k: int | None = Field(None, ge=1, description="keep only the k most likely tokens")
     max_new_tokens: int = Field(16, ge=1, description="longest response, in tokens")
     stop_strings: list[str] = Field(default_factory=list, description="end a response at these strings")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="end a response at these token ids too, besides the tokenizer's eos id and every "
+        "eos id of the model's generation_config.json (NeMo-RL's key of the same name)")
     backend: Literal["engine", "hf"] = Field(
         "engine", description="engine: rlscale's rollout engine (KV cache, CUDA graphs; Qwen2/Qwen3/Llama/"
         "Mistral, others fall back to hf); hf: transformers generate")
@@ -58,12 +61,19 @@ class GenerationConfig(_Section):
         "node generate together, each holding 1/T of the engine's weights (T must divide cluster.gpus_per_node "
         "and the model's attention heads and intermediate size; NeMo-RL's "
         "policy.generation.vllm_cfg.tensor_parallel_size is the same key)")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0.0, le=1.0, description="engine on CUDA: the fraction of the GPU's memory the rollout engine "
+        "may fill; its KV cache gets that fraction of the total less what is allocated when the engine is "
+        "built, and holds as many sequences at once as fit (the rest are admitted as others finish); null = "
+        "no budget, one cache slot per sample (NeMo-RL's policy.generation.vllm_cfg.gpu_memory_utilization "
+        "is the same key)")
 
     @model_validator(mode="before")
     @classmethod
     def _vllm_cfg_alias(cls, data: Any) -> Any:
-        """NeMo-RL's policy.generation.vllm_cfg.tensor_parallel_size is rlscale's tensor_parallel_size;
-        vllm_cfg's other keys configure vLLM, which rlscale does not run: refused by name."""
+        """NeMo-RL's policy.generation.vllm_cfg.tensor_parallel_size and gpu_memory_utilization are
+        rlscale's keys of those names; vllm_cfg's other keys configure vLLM, which rlscale does not
+        run: refused by name."""
         if not (isinstance(data, dict) and "vllm_cfg" in data):
             return data
         data = dict(data)
@@ -71,18 +81,21 @@ class GenerationConfig(_Section):
         if vllm is None:
             return data
         if not isinstance(vllm, dict):
-            raise ValueError("policy.generation.vllm_cfg must be a mapping (of tensor_parallel_size only)")
+            raise ValueError("policy.generation.vllm_cfg must be a mapping (of tensor_parallel_size and "
+                             "gpu_memory_utilization only)")
+        read = ("tensor_parallel_size", "gpu_memory_utilization")
         for key in vllm:
-            if key != "tensor_parallel_size":
+            if key not in read:
                 raise ValueError(f"policy.generation.vllm_cfg.{key} is not an rlscale setting (of vllm_cfg only "
-                                 "tensor_parallel_size is read, as policy.generation.tensor_parallel_size)")
-        if "tensor_parallel_size" in vllm:
-            size = vllm["tensor_parallel_size"]
-            if "tensor_parallel_size" in data and data["tensor_parallel_size"] != size:
-                raise ValueError(f"policy.generation.vllm_cfg.tensor_parallel_size={size} and "
-                                 f"policy.generation.tensor_parallel_size={data['tensor_parallel_size']} disagree "
-                                 "(they are one setting: give one)")
-            data["tensor_parallel_size"] = size
+                                 "tensor_parallel_size and gpu_memory_utilization are read, as the "
+                                 "policy.generation keys of those names)")
+        for key in read:
+            if key in vllm:
+                value = vllm[key]
+                if key in data and data[key] != value:
+                    raise ValueError(f"policy.generation.vllm_cfg.{key}={value} and policy.generation.{key}="
+                                     f"{data[key]} disagree (they are one setting: give one)")
+                data[key] = value
         return data
 
     @model_validator(mode="before")
@@ -165,7 +178,8 @@ class PolicyConfig(_Section):
         "null = the memory plan decides (off when the update fits without it)")
     compile: bool | None = Field(
         None, description="torch.compile each decoder layer (fuses norms, rotary, activations; the first "
-        "steps pay the compile time); null = on CUDA only")
+        "steps pay the compile time); null = on CUDA, except with fp32 master weights or stochastic rounding "
+        "(FSDP2's casts), where compiled layers were measured slower")
     shard_reference: bool | None = Field(
         None, description="FSDP2-shard the frozen reference model over the workers (each logprob pass "
         "all-gathers it); false keeps a whole copy per worker; null = shard only when its weights exceed "

@@ -131,8 +131,13 @@ def test_parse_override_splits_at_the_first_equals_sign():
       "policy.generation.tensor_parallel_size=1"],
      "config key 'policy.generation': policy.generation.vllm_cfg.tensor_parallel_size=2 and "
      "policy.generation.tensor_parallel_size=1 disagree (they are one setting: give one)"),
-    (["policy.generation.vllm_cfg.gpu_memory_utilization=0.6"],
-     "config key 'policy.generation': policy.generation.vllm_cfg.gpu_memory_utilization is not an rlscale setting"),
+    (["policy.generation.vllm_cfg.enforce_eager=true"],
+     "config key 'policy.generation': policy.generation.vllm_cfg.enforce_eager is not an rlscale setting"),
+    (["policy.generation.vllm_cfg.gpu_memory_utilization=0.6", "policy.generation.gpu_memory_utilization=0.5"],
+     "config key 'policy.generation': policy.generation.vllm_cfg.gpu_memory_utilization=0.6 and "
+     "policy.generation.gpu_memory_utilization=0.5 disagree (they are one setting: give one)"),
+    (["policy.generation.gpu_memory_utilization=1.5"],
+     "config key 'policy.generation.gpu_memory_utilization': input should be less than or equal to 1"),
     (["policy.generation.vllm_cfg.tensor_parallel_size=two"],
      "config key 'policy.generation.tensor_parallel_size': input should be a valid integer"),
 ])
@@ -164,6 +169,16 @@ def test_tensor_parallel_size_and_its_nemo_rl_name(tmp_path):
     assert load_config(tmp_path / "resolved.yaml") == cfg
     path.write_text("policy:\n  generation:\n    vllm_cfg: null\n")
     assert load_config(path).policy.generation.tensor_parallel_size == 1
+
+
+def test_gpu_memory_utilization_and_its_nemo_rl_name():
+    assert load_config(None, []).policy.generation.gpu_memory_utilization is None
+    assert load_config(None, ["policy.generation.gpu_memory_utilization=0.6"]).policy.generation \
+        .gpu_memory_utilization == 0.6
+    cfg = load_config(None, ["policy.generation.vllm_cfg.gpu_memory_utilization=0.6",
+                             "policy.generation.vllm_cfg.tensor_parallel_size=1"])
+    assert cfg.policy.generation.gpu_memory_utilization == 0.6
+    assert "vllm_cfg" not in cfg.to_dict()["policy"]["generation"]
 
 
 def _model_dir(tmp_path, **changes):
@@ -221,6 +236,23 @@ def test_the_removed_decode_span_bucket_is_refused_in_one_line_naming_it(tmp_pat
     # its old default, in every older run's resolved config.yaml, is what the engine does now
     path.write_text("policy:\n  generation:\n    decode_span_bucket: null\n")
     assert "decode_span_bucket" not in load_config(path).to_dict()["policy"]["generation"]
+
+
+def test_stop_token_ids_from_an_override_and_a_nemo_rl_recipe(tmp_path):
+    assert load_config(None, []).policy.generation.stop_token_ids is None
+    assert load_config(None, ["policy.generation.stop_token_ids=[151645,151643]"]).policy.generation \
+        .stop_token_ids == [151645, 151643]
+    # as NeMo-RL's recipes write it; the resolved config round-trips it
+    path = tmp_path / "recipe.yaml"
+    path.write_text("policy:\n  generation:\n    temperature: 1.0\n    stop_token_ids: [128001, 128008, 128009]\n")
+    cfg = load_config(path)
+    assert cfg.policy.generation.stop_token_ids == [128001, 128008, 128009]
+    (tmp_path / "resolved.yaml").write_text(cfg.to_yaml())
+    assert load_config(tmp_path / "resolved.yaml") == cfg
+    path.write_text("policy:\n  generation:\n    stop_token_ids: null\n")
+    assert load_config(path).policy.generation.stop_token_ids is None
+    with pytest.raises(UserError, match="policy.generation.stop_token_ids"):
+        load_config(None, ["policy.generation.stop_token_ids=[-1]"])
 
 
 def test_bad_files_are_user_errors(tmp_path):

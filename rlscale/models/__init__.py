@@ -6,8 +6,9 @@ from rlscale.models.loading import (
     pick_device,
     pick_dtype,
     resolve_model_path,
+    stop_token_ids,
 )
 from rlscale.models.prompts import PromptRenderer
 
 __all__ = ["load_model", "load_tokenizer", "pick_device", "pick_dtype", "resolve_model_path",
-           "PromptRenderer"]
+           "stop_token_ids", "PromptRenderer"]

@@ -146,6 +146,27 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, key: str = "polic
     return tokenizer
 
 
+def stop_token_ids(name: str, tokenizer, extra: list[int] | None = None, trust_remote_code: bool = False) -> list[int]:
+    """The token ids that end a response (sorted, no repeats): `extra` (policy.generation.stop_token_ids),
+    the tokenizer's eos id, and every eos id of model `name`'s generation_config.json (`eos_token_id`,
+    an int or a list; Llama 3 and Qwen2.5 instruct models list several). A model without that file,
+    or whose file cannot be read, adds none."""
+    from transformers import GenerationConfig
+
+    ids = set(extra or ())
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    quiet_transformers()
+    try:
+        path = _load_path(name, "policy.model_name", trust_remote_code)
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except Exception:  # no generation_config.json (or an unreadable one): transformers raises many types
+        eos = None
+    if eos is not None:
+        ids.update(int(i) for i in ([eos] if isinstance(eos, int) else eos))
+    return sorted(ids)
+
+
 def load_model(name: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
 

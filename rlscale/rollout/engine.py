@@ -6,11 +6,23 @@
 
 A compiled decode step on CUDA attends through flex attention with a block mask of each
 sequence's live cache blocks, built on the device every step, so one graph serves every length.
-On CUDA each (batch bucket, cache length, sampling mode) gets one captured graph, captured before
-the prefill of the first generation that needs it; the host loop replays it and, every
-`check_every` steps, reads back whether all sequences have stopped. With `compile_decode` the
-step (forward and sampling) is compiled whole before capture. On CPU the same step runs eagerly
-(the path the tests exercise).
+On CUDA each (batch bucket, cache length, sampling mode) gets one captured graph: the whole
+cache's before the prefill of the first generation that needs it, a smaller bucket's at its first
+use; the host loop replays them and, every `check_every` steps (and when a sequence runs into
+max_new_tokens), reads back which sequences have stopped. With `compile_decode` the step (forward
+and sampling) is compiled whole before capture. On CPU the same step runs eagerly (the path the
+tests exercise).
+
+Slots, admission and a shrinking batch: a cache slot holds one sequence's keys and values for the
+whole cache length. `kv_budget_bytes` caps the cache at `slot_capacity` slots; a generation with
+more prompts admits them as others finish: at each host check a finished sequence's row is copied
+out, its slot freed, and the next waiting prompts are prefilled into the free slots (one
+`Generation.waves` each round). Once none waits, the live sequences are compacted into the lowest
+slots (KV rows and state rows copied) and a step runs over the first `rows` slots only: the
+smallest batch bucket holding them (eagerly, exactly them), so step cost follows the sequences
+still running (`Generation.decode_batches`). A slot is a sequence's full length, reserved at
+admission: not paged (no block table; a short response still holds its whole slot until it ends).
+With torch.rand draws (no seed) sequences are not moved, since a slot's draws would change.
 
 Tensor parallelism (`tp`, `tensor_parallel.py`): every rank of the group runs the same
 `generate` on the same prompts with 1/T of the weights; the forward pass all-reduces and gathers
@@ -29,6 +41,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -36,6 +49,7 @@ import torch
 
 from rlscale.rollout.forward import DecoderForward, KVCache, rotary_table
 from rlscale.rollout.sampling import SamplingMode, keyed_uniform, sample_tokens, uniform_draws
+from rlscale.rollout.stops import is_stop, stop_table
 from rlscale.rollout.tensor_parallel import TensorParallel
 from rlscale.rollout.weights import DecodeWeights, unsupported_reason
 
@@ -48,6 +62,10 @@ class Generation:
     logprobs: list[list[float]]
     stopped: list[bool]  # ended by eos or a stop string (False: ran into max_new_tokens)
     timings: dict[str, float] = field(default_factory=dict)
+    # admission rounds (1: every prompt prefilled at the start; more under a KV budget that holds
+    # fewer sequences than prompts) and the batch each decode step ran at (shrinks as sequences end)
+    waves: int = 1
+    decode_batches: list[int] = field(default_factory=list)
 
 
 def batch_bucket(size: int) -> int:
@@ -69,35 +87,75 @@ class _DecodeState:
         self.tokens = torch.full((slots,), pad_id, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)
         self.done = torch.ones(slots, dtype=torch.bool, device=device)
-        self.step = torch.zeros(1, dtype=torch.long, device=device)
-        self.out_tokens = torch.full((slots, max_new_tokens), pad_id, dtype=torch.long, device=device)
-        self.out_logprobs = torch.zeros(slots, max_new_tokens, dtype=torch.float32, device=device)
+        # each slot's response position: sequences admitted later (a KV budget) are behind the others
+        self.step = torch.zeros(slots, dtype=torch.long, device=device)
+        # one column past max_new_tokens: where a finished slot's step writes (never read)
+        self.max_new_tokens = max_new_tokens
+        self.out_tokens = torch.full((slots, max_new_tokens + 1), pad_id, dtype=torch.long, device=device)
+        self.out_logprobs = torch.zeros(slots, max_new_tokens + 1, dtype=torch.float32, device=device)
         self.eos = torch.tensor(eos_ids or [-1], dtype=torch.long, device=device)
+        self.stop_table = stop_table(eos_ids, device)  # [max id + 2] bool: `is_stop` gathers, any stop set size
         self.pad_id = pad_id
         # keyed draws: read by the step, set per generation (sample ids of padding slots unused)
         self.seed = torch.zeros(1, dtype=torch.long, device=device)
         self.sample_ids = torch.zeros(slots, dtype=torch.long, device=device)
 
-    def draws(self, rows: slice, mode: SamplingMode, keyed: bool) -> torch.Tensor | None:
-        """The uniform draws for slots `rows`' tokens at response position `step` (None: greedy)."""
+    def draws(self, rows: slice | torch.Tensor, mode: SamplingMode, keyed: bool,
+              every_slot: bool = False) -> torch.Tensor | None:
+        """The uniform draws for slots `rows`' tokens at their response positions `step` (None: greedy).
+        every_slot (a decode step's torch.rand draws): one draw per slot of the cache, `rows`' taken,
+        so a slot's draw does not depend on how many slots the step runs."""
         if mode.greedy:
             return None
         ids = self.sample_ids[rows]
-        return keyed_uniform(self.seed, ids, self.step) if keyed else uniform_draws(len(ids), ids.device)
+        if keyed:
+            return keyed_uniform(self.seed, ids, self.step[rows])
+        if every_slot:
+            return uniform_draws(len(self.sample_ids), ids.device)[rows]
+        return uniform_draws(len(ids), ids.device)
 
     def written(self) -> list[torch.Tensor]:
         """The buffers a decode step writes (besides the KV cache)."""
         return [self.tokens, self.positions, self.done, self.step, self.out_tokens, self.out_logprobs]
+
+    def per_slot(self) -> list[torch.Tensor]:
+        """The buffers with one row per slot: what compaction moves with a slot's KV rows."""
+        return self.written()[:3] + [self.step, self.out_tokens, self.out_logprobs, self.sample_ids]
+
+
+class _Run:
+    """One generation's host bookkeeping: waiting prompts, finished rows, stop-string state."""
+
+    def __init__(self, prompts: list[list[int]], sample_ids: list[int], max_new_tokens: int, prefill_rows: int):
+        self.prompts, self.sample_ids, self.max_new_tokens = prompts, sample_ids, max_new_tokens
+        self.prefill_rows = prefill_rows
+        self.waiting = deque(range(len(prompts)))
+        self.tokens: list[list[int] | None] = [None] * len(prompts)
+        self.logprobs: list[list[float] | None] = [None] * len(prompts)
+        self.stopped_at: dict[int, int] = {}  # sample -> response length its stop string ends it at
+        self.settled: set[int] = set()  # samples ended by eos whose text the stop strings have seen
+        self.admitted_at: dict[int, int] = {}  # slot -> decode steps run before its sample's prefill
+        self.steps, self.waves, self.prefill_s = 0, 0, 0.0
+        self.decode_batches: list[int] = []
+
+    def next_deadline(self, slot_sample: list[int | None]) -> int:
+        """The step count at which the first live sequence runs into max_new_tokens (a check then
+        frees its slot without waiting for the next `check_every`)."""
+        return min((self.admitted_at[s] + self.max_new_tokens - 1 for s, i in enumerate(slot_sample)
+                    if i is not None), default=0)
 
 
 class RolloutEngine:
     def __init__(self, source_model, device: torch.device, dtype: torch.dtype, max_length: int = 2048,
                  use_cuda_graphs: bool | None = None, check_every: int = 16, prefill_tokens: int = 16384,
                  compile_decode: bool = False, decode_attention: str = "auto", compile_mode: str | None = None,
-                 flex_kernel_options: dict | None = None, tp: TensorParallel | None = None, sync: bool = True):
+                 flex_kernel_options: dict | None = None, tp: TensorParallel | None = None, sync: bool = True,
+                 kv_budget_bytes: int | None = None):
         """tp: this rank's place in a tensor-parallel group (None, or size 1: one device holds the
         whole model). sync=False: the weights are left unfilled, for a streamed first sync through
-        `weights.copy_named` before the first generation."""
+        `weights.copy_named` before the first generation. kv_budget_bytes: the most bytes the KV
+        cache may take (this rank's, its own kv heads under tp); a generation with more prompts than
+        `slot_capacity` admits them as others finish (None: one slot per prompt, all at once)."""
         reason = unsupported_reason(source_model.config, max_length)
         if reason:
             raise ValueError(f"rollout engine does not support {reason}")
@@ -121,6 +179,7 @@ class RolloutEngine:
         else:
             self._decode_and_sample = self._forward_and_sample
         self.use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        self.compiled = compile_decode
         self.check_every = check_every
         self.prefill_tokens = prefill_tokens
         self.cache: KVCache | None = None
@@ -128,16 +187,33 @@ class RolloutEngine:
         self.graphs: dict = {}
         self.graph_pool = None
         self.capture_s = 0.0
+        self.kv_budget_bytes = kv_budget_bytes
+        self.slot_sample: list[int | None] = []  # the sample each cache slot holds (None: free)
 
     def sync_weights(self, source_model) -> None:
         self.weights.sync_from(source_model)
+
+    def slot_bytes(self, length: int) -> int:
+        """One slot's KV cache bytes at `length` positions (this rank's kv heads)."""
+        return KVCache.slot_bytes(self.weights.local_shape, length, self.dtype)
+
+    def slot_capacity(self, length: int) -> int | None:
+        """How many sequences of `length` cache positions the KV budget holds at once (None: no budget)."""
+        if self.kv_budget_bytes is None:
+            return None
+        slots = self.kv_budget_bytes // self.slot_bytes(length)
+        if slots < 1:
+            raise ValueError(f"the rollout engine's KV budget of {self.kv_budget_bytes} bytes holds no sequence of "
+                             f"{length} positions (one takes {self.slot_bytes(length)} bytes)")
+        return slots
 
     # ------------------------------------------------------------------ buffers and graphs
 
     def _ensure_buffers(self, slots: int, length: int, max_new_tokens: int, pad_id: int, eos_ids: list[int]):
         """Reuse the cache and graphs when the request fits them; otherwise grow (and recapture)."""
         fits = (self.cache is not None and self.cache.slots == slots and self.cache.max_length >= length
-                and self.state.out_tokens.shape[1] == max_new_tokens and self.state.pad_id == pad_id
+                and (self.kv_budget_bytes is None or self.cache.nbytes <= self.kv_budget_bytes)
+                and self.state.max_new_tokens == max_new_tokens and self.state.pad_id == pad_id
                 and self.state.eos.tolist() == (eos_ids or [-1]))
         if fits:
             return
@@ -155,28 +231,43 @@ class RolloutEngine:
                             mode: SamplingMode, uniform: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return sample_tokens(self.forward.decode(tokens, positions, cache), mode, uniform)
 
-    def _step(self, mode: SamplingMode, keyed: bool = False) -> None:
-        """One decode step on the static buffers: forward, sample, record, advance."""
+    def _step(self, mode: SamplingMode, keyed: bool = False, rows: int | None = None) -> None:
+        """One decode step on the static buffers' first `rows` slots (None: all): forward, sample,
+        record, advance. A finished slot samples padding into the spare last output column."""
         st = self.state
+        batch = slice(0, rows)
+        done, step = st.done[batch], st.step[batch]
         # the draws are made here, outside the compiled region: the native rand is safe to capture
         # in the CUDA graph, a random op inside an inductor graph may replay the same numbers
-        uniform = st.draws(slice(None), mode, keyed)
-        tokens, logprobs = self._decode_and_sample(st.tokens, st.positions, self.cache, mode, uniform)
-        tokens = torch.where(st.done, st.pad_id, tokens)
-        st.out_tokens.index_copy_(1, st.step, tokens[:, None])
-        st.out_logprobs.index_copy_(1, st.step, logprobs[:, None])
-        st.done |= torch.isin(tokens, st.eos)
-        st.tokens.copy_(tokens)
-        st.positions.add_(1).clamp_(max=self.cache.max_length - 1)
-        st.step.add_(1)
+        uniform = st.draws(batch, mode, keyed, every_slot=True)
+        tokens, logprobs = self._decode_and_sample(st.tokens[batch], st.positions[batch], self.cache, mode, uniform)
+        tokens = torch.where(done, st.pad_id, tokens)
+        column = torch.where(done, st.max_new_tokens, step)[:, None]
+        st.out_tokens[batch].scatter_(1, column, tokens[:, None])
+        st.out_logprobs[batch].scatter_(1, column, logprobs[:, None])
+        st.done[batch] |= is_stop(st.stop_table, tokens)
+        st.tokens[batch].copy_(tokens)
+        st.positions[batch].add_(1).clamp_(max=self.cache.max_length - 1)
+        step.add_(1)
+        done |= step >= st.max_new_tokens  # ran into max_new_tokens: the slot is free from here
 
     def _runner(self, mode: SamplingMode, keyed: bool = False):
+        """run(rows): one decode step over the first `rows` slots (a batch bucket under CUDA graphs:
+        each bucket's graph is captured at its first use, the whole cache's before this returns)."""
         if not self.use_graphs:
-            return lambda: self._step(mode, keyed)
-        key = (mode, keyed and not mode.greedy)  # keyed or torch.rand draws: two computations
+            return lambda rows=None: self._step(mode, keyed, rows)
+        keyed = keyed and not mode.greedy  # keyed or torch.rand draws: two computations
+
+        def replay(rows: int | None = None) -> None:
+            key = (mode, keyed, rows or self.cache.slots)
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(mode, keyed, key[2])
+            self.graphs[key].replay()
+
+        key = (mode, keyed, self.cache.slots)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(mode, keyed)
-        return self.graphs[key].replay
+            self.graphs[key] = self._capture(mode, keyed, self.cache.slots)
+        return replay
 
     @contextmanager
     def _state_restored(self):
@@ -188,32 +279,33 @@ class RolloutEngine:
             for buffer, value in zip(self.state.written(), saved):
                 buffer.copy_(value)
 
-    def _warm_up(self, mode: SamplingMode, keyed: bool = False) -> None:
+    def _warm_up(self, mode: SamplingMode, keyed: bool = False, rows: int | None = None) -> None:
         """Two decode steps before a capture (compilation, allocator, kernel plans).
 
-        Run inside `_state_restored`, after the state is set for a generation and before its
-        prefill: its key/value writes land at each slot's first decode position and the one after,
-        which no step has read yet and the prefill or the real steps overwrite before reading them
-        (a step writes its position, then attends to it).
+        Run inside `_state_restored`, after the state is set for a generation (before its prefill,
+        or between two steps when a smaller batch bucket is first used): its key/value writes land
+        at each slot's next decode position and the one after, which no step has read yet and the
+        prefill or the real steps overwrite before reading them (a step writes its position, then
+        attends to it).
         """
         for _ in range(2):
-            self._step(mode, keyed)
+            self._step(mode, keyed, rows)
             self.state.step.zero_()  # keeps the next step's output column in range
 
-    def _capture(self, mode: SamplingMode, keyed: bool) -> torch.cuda.CUDAGraph:
-        """Capture one decode step, leaving the state as it found it (set for the generation)."""
+    def _capture(self, mode: SamplingMode, keyed: bool, rows: int | None = None) -> torch.cuda.CUDAGraph:
+        """Capture one decode step over `rows` slots, leaving the state as it found it."""
         start = time.perf_counter()
         with self._state_restored():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._warm_up(mode, keyed)
+                self._warm_up(mode, keyed, rows)
             torch.cuda.current_stream().wait_stream(stream)
             if self.graph_pool is None:
                 self.graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
-                self._step(mode, keyed)
+                self._step(mode, keyed, rows)
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - start
         return graph
@@ -232,6 +324,13 @@ class RolloutEngine:
         sample's tokens depend on its id, not on its batch or slot; None: torch.rand draws, except
         under tensor parallelism, where a seed from rank 0 (`TensorParallel.shared_seed`) keeps the
         ranks' draws alike. sample_ids: one per prompt (default 0..n-1), unique within a request.
+
+        Under a KV budget (`kv_budget_bytes`) at most `slot_capacity` sequences live at once: the
+        first prompts fill the slots, and at each host check a finished sequence's slot takes the
+        next waiting prompt (prefilled into it, `Generation.waves` counts these rounds). Once none
+        waits, the live sequences are compacted into the lowest slots and each step runs over the
+        smallest batch (bucket, under CUDA graphs) holding them (`Generation.decode_batches`). A
+        sample's tokens depend on neither its slot nor its wave: positions and draws are its own.
         """
         if seed is None and self.tp is not None and not mode.greedy:
             seed = self.tp.shared_seed(self.device)
@@ -244,92 +343,172 @@ class RolloutEngine:
         if length > self.max_length:
             raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds the engine's "
                              f"max_length {self.max_length}")
-        slots = batch_bucket(count) if self.use_graphs else count
+        capacity = self.slot_capacity(length)
+        at_once = count if capacity is None else min(count, capacity)
+        slots = batch_bucket(at_once) if self.use_graphs else at_once
+        if capacity is not None:
+            slots = min(slots, capacity)
         self._ensure_buffers(slots, length, max_new_tokens, pad_id, [] if ignore_eos else eos_ids)
         st = self.state
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         st.done.fill_(True)
-        st.done[:count] = False
         st.step.zero_()
         st.out_tokens.fill_(pad_id)
         st.positions.zero_()
-        st.positions[:count] = lengths
         st.tokens.fill_(pad_id)
+        st.sample_ids.zero_()
         if keyed:
             st.seed.fill_(seed)
-            st.sample_ids.zero_()
-            st.sample_ids[:count] = torch.tensor(sample_ids if sample_ids is not None else range(count))
+        self.slot_sample = [None] * self.cache.slots
         capture_before = self.capture_s
-        run_step = self._runner(mode, keyed)  # captured, when new, before prefill
-        start = time.perf_counter()
-        # prefill in row chunks so activations stay bounded for long prompts
-        rows = max(1, self.prefill_tokens // max(longest, 1))
-        for first in range(0, count, rows):
-            chunk = prompts[first:first + rows]
+        run_step = self._runner(mode, keyed)  # the whole cache's graph captured, when new, before prefill
+        run = _Run(prompts, list(sample_ids) if sample_ids is not None else list(range(count)), max_new_tokens,
+                   max(1, self.prefill_tokens // max(longest, 1)))
+        start, capture_start = time.perf_counter(), self.capture_s
+        self._refresh(run, mode, keyed, stop_check)
+        while any(i is not None for i in self.slot_sample):
+            rows = self._decode_rows()
+            run_step(rows)
+            run.steps += 1
+            run.decode_batches.append(rows or self.cache.slots)
+            if run.steps % self.check_every == 0 or run.steps >= run.next_deadline(self.slot_sample):
+                self._refresh(run, mode, keyed, stop_check)
+        self._sync()
+        elapsed = time.perf_counter() - start
+        timings = {"prefill_s": run.prefill_s, "capture_s": self.capture_s - capture_before,
+                   "decode_s": elapsed - run.prefill_s - (self.capture_s - capture_start)}
+        out = self._collect(run, eos_ids, ignore_eos, timings)
+        out.waves, out.decode_batches = run.waves, run.decode_batches
+        return out
+
+    def _decode_rows(self) -> int | None:
+        """The batch a decode step runs at: the smallest bucket (eagerly: exactly) holding every
+        live slot (None: the whole cache)."""
+        top = max(s for s, i in enumerate(self.slot_sample) if i is not None) + 1
+        # buckets under graphs (one capture each) and compile (one compiled shape each, well inside
+        # dynamo's recompile limit); eagerly the exact count
+        rows = min(batch_bucket(top), self.cache.slots) if self.use_graphs or self.compiled else top
+        return None if rows == self.cache.slots else rows
+
+    def _refresh(self, run: _Run, mode: SamplingMode, keyed: bool, stop_check) -> None:
+        """A host check: stop strings, finished sequences out (their slots freed), waiting prompts
+        into the lowest free slots, and, once none waits, compaction of the live ones."""
+        while True:  # a prompt may end at prefill (eos, or max_new_tokens 1): its slot is free again
+            if stop_check is not None:
+                self._apply_stop_strings(stop_check, run)
+            self._harvest(run)
+            free = [s for s, i in enumerate(self.slot_sample) if i is None]
+            if not (run.waiting and free):
+                break
+            self._admit(run, free[:len(run.waiting)], mode, keyed)
+        # torch.rand draws go to slots: moving a sample would change its draws (keyed ones go with it)
+        if not run.waiting and (keyed or mode.greedy):
+            self._compact(run)
+
+    def _harvest(self, run: _Run) -> None:
+        """Copy the finished sequences' rows to the host and free their slots."""
+        live = [s for s, i in enumerate(self.slot_sample) if i is not None]
+        if not live:
+            return
+        done = self.state.done[torch.tensor(live, device=self.device)].tolist()
+        finished = [s for s, d in zip(live, done) if d]
+        if not finished:
+            return
+        at = torch.tensor(finished, device=self.device)
+        tokens = self.state.out_tokens[at, :run.max_new_tokens].tolist()
+        logprobs = self.state.out_logprobs[at, :run.max_new_tokens].tolist()
+        for s, row, lp in zip(finished, tokens, logprobs):
+            run.tokens[self.slot_sample[s]], run.logprobs[self.slot_sample[s]] = row, lp
+            self.slot_sample[s] = None
+
+    def _admit(self, run: _Run, targets: list[int], mode: SamplingMode, keyed: bool) -> None:
+        """Prefill the next waiting prompts into slots `targets` (in row chunks, so activations stay
+        bounded for long prompts) and sample each one's first token (response position 0)."""
+        st, start = self.state, time.perf_counter()
+        for first in range(0, len(targets), run.prefill_rows):
+            chunk_slots = targets[first:first + run.prefill_rows]
+            samples = [run.waiting.popleft() for _ in chunk_slots]
+            chunk = [run.prompts[i] for i in samples]
             width = max(len(p) for p in chunk)
-            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+            ids = torch.full((len(chunk), width), st.pad_id, dtype=torch.long)
             for i, p in enumerate(chunk):
                 ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-            logits = self.forward.prefill(ids.to(self.device), lengths[first:first + len(chunk)], self.cache, first)
-            tokens, logprobs = sample_tokens(logits, mode, st.draws(slice(first, first + len(chunk)), mode, keyed))
-            st.out_tokens[first:first + len(chunk), 0] = tokens
-            st.out_logprobs[first:first + len(chunk), 0] = logprobs
-            st.tokens[first:first + len(chunk)] = tokens
-        st.done[:count] |= torch.isin(st.tokens[:count], st.eos)
-        st.step.fill_(1)
+            lengths = torch.tensor([len(p) for p in chunk], device=self.device)
+            contiguous = chunk_slots == list(range(chunk_slots[0], chunk_slots[0] + len(chunk_slots)))
+            at = torch.tensor(chunk_slots, device=self.device)
+            st.out_tokens[at] = st.pad_id
+            st.positions[at] = lengths
+            st.step[at] = 0
+            st.sample_ids[at] = torch.tensor([run.sample_ids[i] for i in samples], device=self.device)
+            logits = self.forward.prefill(ids.to(self.device), lengths, self.cache,
+                                          chunk_slots[0] if contiguous else at)
+            tokens, logprobs = sample_tokens(logits, mode, st.draws(at, mode, keyed))
+            st.out_tokens[at, 0] = tokens
+            st.out_logprobs[at, 0] = logprobs
+            st.tokens[at] = tokens
+            st.step[at] = 1
+            st.done[at] = is_stop(st.stop_table, tokens) | (run.max_new_tokens <= 1)
+            for s, i in zip(chunk_slots, samples):
+                self.slot_sample[s] = i
+                run.admitted_at[s] = run.steps
+        run.waves += 1
         self._sync()
-        prefill_s = time.perf_counter() - start
+        run.prefill_s += time.perf_counter() - start
 
-        start = time.perf_counter()
-        stopped_at: dict[int, int] = {}
-        settled: set[int] = set()  # sequences ended by eos whose text the stop strings have seen
-        for step in range(1, max_new_tokens):
-            run_step()
-            if step % self.check_every == 0 or step == max_new_tokens - 1:
-                if stop_check is not None:
-                    self._apply_stop_strings(stop_check, count, step + 1, stopped_at, settled)
-                if bool(st.done[:count].all()):
-                    break
-        self._sync()
-        timings = {"prefill_s": prefill_s, "capture_s": self.capture_s - capture_before,
-                   "decode_s": time.perf_counter() - start}
-        return self._collect(count, max_new_tokens, eos_ids, ignore_eos, stopped_at, timings)
+    def _compact(self, run: _Run) -> None:
+        """Move the live slots above the first `live` into the free ones below (KV rows and state
+        rows), so the live sequences sit in slots 0..live-1 and a smaller batch holds them."""
+        live = sum(i is not None for i in self.slot_sample)
+        holes = [s for s in range(live) if self.slot_sample[s] is None]
+        if not holes:
+            return
+        movers = [s for s in range(live, len(self.slot_sample)) if self.slot_sample[s] is not None]
+        dst, src = torch.tensor(holes, device=self.device), torch.tensor(movers, device=self.device)
+        self.cache.move(dst, src)
+        for buffer in self.state.per_slot():
+            buffer[dst] = buffer[src]
+        self.state.done[src] = True
+        for d, s in zip(holes, movers):
+            self.slot_sample[d], self.slot_sample[s] = self.slot_sample[s], None
+            run.admitted_at[d] = run.admitted_at.pop(s)
 
-    def _apply_stop_strings(self, stop_check, count: int, produced: int, stopped_at: dict[int, int],
-                            settled: set[int]) -> None:
-        """Cut each sequence at its first stop string. One that reached eos since the last check is
-        checked once more, on its text before the eos (a stop string before the eos still cuts)."""
-        done = self.state.done[:count].tolist()
-        rows = self.state.out_tokens[:count, :produced].tolist()
+    def _apply_stop_strings(self, stop_check, run: _Run) -> None:
+        """Cut each live sequence at its first stop string. One that reached eos (or its last
+        token) since the last check is checked once more, on its text before the eos (a stop string
+        before the eos still cuts)."""
+        slots = [(s, i) for s, i in enumerate(self.slot_sample)
+                 if i is not None and i not in run.stopped_at and i not in run.settled]
+        if not slots:
+            return
+        at = torch.tensor([s for s, _ in slots], device=self.device)
+        done = self.state.done[at].tolist()
+        produced = self.state.step[at].clamp(max=run.max_new_tokens).tolist()
+        rows = self.state.out_tokens[at].tolist()
         eos = set(self.state.eos.tolist())
         newly = []
-        for i, (is_done, row) in enumerate(zip(done, rows)):
-            if i in stopped_at or i in settled:
-                continue
+        for (s, i), is_done, length, row in zip(slots, done, produced, rows):
+            row = row[:length]
             if is_done:
-                settled.add(i)
+                run.settled.add(i)
                 row = row[:next((j for j, token in enumerate(row) if token in eos), len(row))]
             cut = stop_check(i, row)
             if cut is not None:
-                stopped_at[i] = cut
+                run.stopped_at[i] = cut
                 if not is_done:
-                    newly.append(i)
+                    newly.append(s)
         if newly:
             self.state.done[torch.tensor(newly, device=self.device)] = True
 
-    def _collect(self, count, max_new_tokens, eos_ids, ignore_eos, stopped_at, timings) -> Generation:
-        tokens = self.state.out_tokens[:count].tolist()
-        logprobs = self.state.out_logprobs[:count].tolist()
+    def _collect(self, run: _Run, eos_ids, ignore_eos, timings) -> Generation:
         eos = set() if ignore_eos else set(eos_ids)
         out = Generation([], [], [], timings)
-        for i, row in enumerate(tokens):
+        for i, (row, logprobs) in enumerate(zip(run.tokens, run.logprobs)):
             cut = next((j + 1 for j, t in enumerate(row) if t in eos), None)
-            if i in stopped_at and (cut is None or stopped_at[i] < cut):
-                cut = stopped_at[i]
+            if i in run.stopped_at and (cut is None or run.stopped_at[i] < cut):
+                cut = run.stopped_at[i]
             stopped = cut is not None
-            cut = cut or max_new_tokens
+            cut = cut or run.max_new_tokens
             out.tokens.append(row[:cut])
-            out.logprobs.append(logprobs[i][:cut])
+            out.logprobs.append(logprobs[:cut])
             out.stopped.append(stopped)
         return out
 

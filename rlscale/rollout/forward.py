@@ -64,6 +64,21 @@ class KVCache:
         self.values = [torch.zeros(size, device=device, dtype=dtype) for _ in range(shape.num_layers)]
         self.slots, self.max_length = slots, max_length
 
+    @staticmethod
+    def slot_bytes(shape: ModelShape, max_length: int, dtype: torch.dtype) -> int:
+        """The bytes of one slot (one sequence's keys and values, every layer, `max_length` rows)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * shape.num_layers * shape.num_kv_heads * max_length * shape.head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy slots `src` [N] into slots `dst` [N] (every layer, whole length): compaction."""
+        for t in self.keys + self.values:
+            t[dst] = t[src]
+
 
 def rotary_table(source_model, max_length: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for positions 0..max_length-1 from the model's own rotary module (any rope scaling)."""
@@ -177,17 +192,20 @@ class DecoderForward:
             return logits
         return self.tp.all_gather_last(logits)[..., :self.vocab_size]
 
-    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache, slot0: int) -> torch.Tensor:
-        """Right-padded prompts [B, T] into cache slots slot0..slot0+B-1; returns the logits
-        at each prompt's last token [B, vocab]."""
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache,
+                slot0: int | torch.Tensor) -> torch.Tensor:
+        """Right-padded prompts [B, T] into cache slots slot0..slot0+B-1 (or, given a tensor of B
+        slot indices, into those slots: continuous admission fills the slots finished sequences
+        freed); returns the logits at each prompt's last token [B, vocab]."""
         batch, width = tokens.shape
+        rows = slot0 if isinstance(slot0, torch.Tensor) else slice(slot0, slot0 + batch)
         positions = torch.arange(width, device=tokens.device).expand(batch, width)
         h = self.embed(tokens)
         for i, layer in enumerate(self.w.layers):
             q, k, v = self._qkv(rms_norm(h, layer.input_norm, self.s.rms_eps), positions, *layer.head[1:])
             k, v = k.transpose(1, 2), v.transpose(1, 2)
-            cache.keys[i][slot0:slot0 + batch, :, :width] = k
-            cache.values[i][slot0:slot0 + batch, :, :width] = v
+            cache.keys[i][rows, :, :width] = k
+            cache.values[i][rows, :, :width] = v
             # causal attention suffices with right padding: real tokens never see the padding
             attn = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k, v, is_causal=True, enable_gqa=self.s.num_heads != self.s.num_kv_heads)

@@ -20,7 +20,7 @@ import torch
 from rlscale.config import Config, token_budget
 from rlscale.errors import UserError
 from rlscale.grpo.loss import grpo_token_loss
-from rlscale.models import PromptRenderer, load_tokenizer, pick_device
+from rlscale.models import PromptRenderer, load_tokenizer, pick_device, stop_token_ids
 from rlscale.models.logprob_head import packed_logprobs
 from rlscale.models.prompts import decode_responses
 from rlscale.workers.batch import Rollouts, TrainBatch
@@ -29,7 +29,7 @@ from rlscale.rollout import (RolloutEngine, SamplingParams, StopStrings, TensorP
 from rlscale.telemetry.memory import PhasePeaks
 from rlscale.telemetry.torch_profile import CallProfiler
 from rlscale.workers.hf_generate import hf_generate
-from rlscale.workers.model_setup import build_policy, build_reference
+from rlscale.workers.model_setup import auto_compile, build_policy, build_reference
 from rlscale.workers.packing import PackedMicroBatch, filler_pack, pack_batch, to_device
 from rlscale.workers import distributed, precision, state_io
 
@@ -71,10 +71,13 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self.tp = self._tensor_parallel(distributed.tensor_parallel_size(cfg))
         self.tokenizer = load_tokenizer(policy.tokenizer_name or policy.model_name, policy.trust_remote_code,
                                         "policy.tokenizer_name" if policy.tokenizer_name else "policy.model_name")
+        # every id that ends a response: policy.generation.stop_token_ids, the tokenizer's and the model's eos
+        self.stop_ids = stop_token_ids(policy.model_name, self.tokenizer, policy.generation.stop_token_ids,
+                                       policy.trust_remote_code)
         self.renderer = PromptRenderer(
             self.tokenizer, policy.prompt_format,
             max_prompt_tokens=policy.max_total_sequence_length - policy.generation.max_new_tokens)
-        self.compiled = policy.compile if policy.compile is not None else self.device.type == "cuda"
+        self.compiled = policy.compile if policy.compile is not None else auto_compile(self.device, self.precision)
         self.model = build_policy(policy, self.precision, self.device, self.sharded, world_size, self.compiled)
         self._rollout: RolloutEngine | None = None
         self._rollout_unsupported = False
@@ -137,7 +140,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
         prompt_ids, prompt_cut = self.renderer.render_all(texts)
         engine = self._rollout_engine()
         if engine is None:
-            rollouts = hf_generate(self.model, self.tokenizer, prompt_ids, params, self.device, self.sharded)
+            rollouts = hf_generate(self.model, self.tokenizer, prompt_ids, params, self.device, self.sharded,
+                                   self.stop_ids)
             return dataclasses.replace(rollouts, prompt_cut=prompt_cut)
         tok = self.tokenizer
         self._sync_engine(engine, keep=update_follows and self.keep_gathered)
@@ -148,7 +152,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         if prompts:
             out = engine.generate(
                 prompts, params.max_new_tokens, params.mode,
-                eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
+                eos_ids=self.stop_ids, pad_id=tok.pad_token_id,
                 stop_check=StopStrings(tok, params.stop_strings) if params.stop_strings else None,
                 seed=params.seed, sample_ids=ids)
             tokens, logprobs, stopped = out.tokens[mine], out.logprobs[mine], out.stopped[mine]
@@ -208,6 +212,12 @@ class PolicyWorker(state_io.CheckpointableWorker):
                                          use_cuda_graphs=gen.cuda_graphs and self.device.type == "cuda",
                                          compile_decode=gen.compile and self.device.type == "cuda",
                                          tp=self.tp, sync=False)
+            if gen.gpu_memory_utilization is not None and self.device.type == "cuda":
+                # vLLM's reading: the engine may fill this fraction of the GPU; what is allocated now
+                # (the policy, its optimizer state, the engine's weights) comes out of it first
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                self._rollout.kv_budget_bytes = max(
+                    0, int(gen.gpu_memory_utilization * total) - torch.cuda.memory_allocated(self.device))
         return self._rollout
 
     # ------------------------------------------------------------------ training
@@ -262,10 +272,10 @@ class PolicyWorker(state_io.CheckpointableWorker):
         # pi_old must be the policy that sampled: recompute it before the first update when
         # several optimizer steps follow; with one step the current logprobs are pi_old exactly.
         # the policy stays gathered for its update (its last backward reshards)
-        old = [self._pack_logprobs(self.model, p, self.sharded, keep_gathered=self.keep_gathered)
+        old = [self._pack_logprobs(self.model, p, self.sharded, self.keep_gathered, whole=self.keep_gathered)
                if len(steps) > 1 else None
                for p in packs]
-        ref = [self._pack_logprobs(self.reference, p, self.reference_sharded, keep_gathered=False)
+        ref = [self._pack_logprobs(self.reference, p, self.reference_sharded, False, whole=self.keep_gathered)
                if self.reference is not None else None for p in packs]
         self.profiler.mark("old and reference logprobs")
         if len(steps) > 1 or self.reference is not None:
@@ -286,10 +296,13 @@ class PolicyWorker(state_io.CheckpointableWorker):
 
     @torch.no_grad()
     def _pack_logprobs(self, model, packs: list[PackedMicroBatch], sharded: bool,
-                       keep_gathered: bool) -> list[torch.Tensor]:
-        """Logprobs of each pack's targets, on the device; keep_gathered: see distributed.gathered."""
+                       keep_gathered: bool, whole: bool = True) -> list[torch.Tensor]:
+        """Logprobs of each pack's targets, on the device; keep_gathered: see distributed.gathered.
+        whole=False: the model is not gathered whole, each forward gathers one FSDP2 unit at a time
+        (policy.keep_gathered=false, the memory plan's figure for a model too large to gather);
+        every worker must then run as many packs (`_micro_batches` pads them)."""
         model.eval()
-        with distributed.gathered(model, sharded, keep=keep_gathered):
+        with distributed.gathered(model, sharded and whole, keep=keep_gathered):
             return [self._logprobs(model, mb.to(self.device))[0] for mb in packs]
 
     def _micro_batches(self, batch: TrainBatch, budget: int) -> list[PackedMicroBatch]:
