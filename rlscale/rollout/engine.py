@@ -120,7 +120,7 @@ class _DecodeState:
 
     def per_slot(self) -> list[torch.Tensor]:
         """The buffers with one row per slot: what compaction moves with a slot's KV rows."""
-        return self.written()[:3] + [self.step, self.out_tokens, self.out_logprobs, self.sample_ids]
+        return self.written() + [self.sample_ids]
 
 
 class _Run:
@@ -258,16 +258,14 @@ class RolloutEngine:
             return lambda rows=None: self._step(mode, keyed, rows)
         keyed = keyed and not mode.greedy  # keyed or torch.rand draws: two computations
 
-        def replay(rows: int | None = None) -> None:
-            key = (mode, keyed, rows or self.cache.slots)
+        def graph(rows: int) -> torch.cuda.CUDAGraph:
+            key = (mode, keyed, rows)
             if key not in self.graphs:
-                self.graphs[key] = self._capture(mode, keyed, key[2])
-            self.graphs[key].replay()
+                self.graphs[key] = self._capture(mode, keyed, rows)
+            return self.graphs[key]
 
-        key = (mode, keyed, self.cache.slots)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(mode, keyed, self.cache.slots)
-        return replay
+        graph(self.cache.slots)
+        return lambda rows=None: graph(rows or self.cache.slots).replay()
 
     @contextmanager
     def _state_restored(self):
