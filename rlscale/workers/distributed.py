@@ -57,11 +57,6 @@ def shard_model(model, layers_per_unit: int = 1, mp_policy=None) -> None:
     fully_shard(model, **kwargs)
 
 
-def tensor_parallel_size(cfg) -> int:
-    """policy.generation.tensor_parallel_size: the workers that generate one batch together."""
-    return cfg.policy.generation.tensor_parallel_size
-
-
 def tensor_parallel_groups(size: int):
     """This rank's tensor-parallel group: `size` consecutive ranks (the worker groups number ranks
     by node, rlscale.workers.ray_group.ranks_by_node, so a group is on one node), and this rank's

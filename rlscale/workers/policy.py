@@ -68,7 +68,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
                 torch.cuda.set_device(distributed.local_gpu_index())
             distributed.init_process_group(rank, world_size, self.device, cfg.cluster.collective_timeout_s)
         # tensor-parallel generation: the T consecutive ranks of a group generate one batch together
-        self.tp = self._tensor_parallel(distributed.tensor_parallel_size(cfg))
+        self.tp = self._tensor_parallel(policy.generation.tensor_parallel_size)
         self.tokenizer = load_tokenizer(policy.tokenizer_name or policy.model_name, policy.trust_remote_code,
                                         "policy.tokenizer_name" if policy.tokenizer_name else "policy.model_name")
         # every id that ends a response: policy.generation.stop_token_ids, the tokenizer's and the model's eos

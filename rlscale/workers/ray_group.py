@@ -21,7 +21,6 @@ from rlscale.ckpt.faults import ENV as FAULT_ENV
 from rlscale.config import Config
 from rlscale.errors import OutOfMemory, UserError, is_out_of_memory, out_of_memory
 from rlscale.ray_runtime import ray_module, start_ray
-from rlscale.workers.distributed import tensor_parallel_size
 
 
 def _rendezvous_impl() -> tuple[str, int]:
@@ -76,7 +75,7 @@ class RayWorkerGroup:
 
         start_ray(cfg)
         self.world_size = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
-        tp = tensor_parallel_size(cfg)  # divides cluster.gpus_per_node (rlscale.config.check_tensor_parallel)
+        tp = cfg.policy.generation.tensor_parallel_size  # divides cluster.gpus_per_node (rlscale.config.check_tensor_parallel)
         # one bundle per tensor-parallel group: Ray places a bundle on one node
         per_worker = {"CPU": cfg.cluster.cpus_per_worker, **({"GPU": 1} if use_gpus else {})}
         bundle = {key: value * tp for key, value in per_worker.items()}

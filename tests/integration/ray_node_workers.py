@@ -20,7 +20,7 @@ class NodeReporter:
         self.rank, self.world_size = rank, world_size
         self.node = ray.get_runtime_context().get_node_id()
         distributed.init_process_group(rank, world_size, torch.device("cpu"), 120.0)
-        size = distributed.tensor_parallel_size(cfg)
+        size = cfg.policy.generation.tensor_parallel_size
         self.group, self.group_rank = distributed.tensor_parallel_groups(size)
         # who is in my group, as torch.distributed sees it: (global rank, node) of each member
         self.members = [(rank, self.node)]
