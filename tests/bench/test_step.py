@@ -8,6 +8,14 @@ from rlscale.bench import step
 from rlscale.cli import app
 
 
+@pytest.fixture
+def tiny_step(monkeypatch):
+    """The bench's step shrunk to 2 prompts × 2 samples × 4 new tokens: the same code path, CI-sized."""
+    monkeypatch.setattr(step, "PROMPTS", 2)
+    monkeypatch.setattr(step, "GENERATIONS", 2)
+    monkeypatch.setattr(step, "NEW_TOKENS", 4)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("trl") is not None, reason="checks the half without TRL installed")
 def test_bench_step_tiny_without_trl(tmp_path, monkeypatch):
     # The real bench is 32 prompts × 8 samples × 256 tokens; a smaller step keeps CI fast, same code path.
@@ -44,10 +52,7 @@ def test_summarize_leaves_out_the_warm_up_step():
     assert s["median_logprobs_s"] is None
 
 
-def test_bench_step_profiles_one_rlscale_step(tmp_path, monkeypatch):
-    monkeypatch.setattr(step, "PROMPTS", 2)
-    monkeypatch.setattr(step, "GENERATIONS", 2)
-    monkeypatch.setattr(step, "NEW_TOKENS", 4)
+def test_bench_step_profiles_one_rlscale_step(tmp_path, tiny_step):
     out = tmp_path / "step.json"
     result = CliRunner().invoke(app, ["bench", "step", "--model", "tiny", "--steps", "3", "--profile-step", "3",
                                       "--only", "rlscale", "--json", str(out)])
@@ -71,10 +76,7 @@ def test_bench_step_passes_set_to_the_rlscale_half(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("trl") is not None, reason="checks the pairs without TRL installed")
-def test_bench_step_pairs_alternate_on_one_model_and_compare_a_second_setting(tmp_path, monkeypatch):
-    monkeypatch.setattr(step, "PROMPTS", 2)
-    monkeypatch.setattr(step, "GENERATIONS", 2)
-    monkeypatch.setattr(step, "NEW_TOKENS", 4)
+def test_bench_step_pairs_alternate_on_one_model_and_compare_a_second_setting(tmp_path, tiny_step):
     out = tmp_path / "pairs.json"
     result = CliRunner().invoke(app, ["bench", "step", "--model", "tiny", "--steps", "2", "--pairs", "2",
                                       "--compare-set", "policy.master_weights=bf16", "--json", str(out)])
