@@ -89,6 +89,8 @@ class _DecodeState:
         self.done = torch.ones(slots, dtype=torch.bool, device=device)
         # each slot's response position: sequences admitted later (a KV budget) are behind the others
         self.step = torch.zeros(slots, dtype=torch.long, device=device)
+        # each slot's response length cap (max_new_tokens, or the sample's own `length_caps` entry)
+        self.limit = torch.full((slots,), max_new_tokens, dtype=torch.long, device=device)
         # one column past max_new_tokens: where a finished slot's step writes (never read)
         self.max_new_tokens = max_new_tokens
         self.out_tokens = torch.full((slots, max_new_tokens + 1), pad_id, dtype=torch.long, device=device)
@@ -120,14 +122,16 @@ class _DecodeState:
 
     def per_slot(self) -> list[torch.Tensor]:
         """The buffers with one row per slot: what compaction moves with a slot's KV rows."""
-        return self.written() + [self.sample_ids]
+        return self.written() + [self.sample_ids, self.limit]
 
 
 class _Run:
     """One generation's host bookkeeping: waiting prompts, finished rows, stop-string state."""
 
-    def __init__(self, prompts: list[list[int]], sample_ids: list[int], max_new_tokens: int, prefill_rows: int):
+    def __init__(self, prompts: list[list[int]], sample_ids: list[int], max_new_tokens: int, prefill_rows: int,
+                 caps: list[int]):
         self.prompts, self.sample_ids, self.max_new_tokens = prompts, sample_ids, max_new_tokens
+        self.caps = caps  # per sample: the response length it may reach (at most max_new_tokens)
         self.prefill_rows = prefill_rows
         self.waiting = deque(range(len(prompts)))
         self.tokens: list[list[int] | None] = [None] * len(prompts)
@@ -141,7 +145,7 @@ class _Run:
     def next_deadline(self, slot_sample: list[int | None]) -> int:
         """The step count at which the first live sequence runs into max_new_tokens (a check then
         frees its slot without waiting for the next `check_every`)."""
-        return min((self.admitted_at[s] + self.max_new_tokens - 1 for s, i in enumerate(slot_sample)
+        return min((self.admitted_at[s] + self.caps[i] - 1 for s, i in enumerate(slot_sample)
                     if i is not None), default=0)
 
 
@@ -150,12 +154,14 @@ class RolloutEngine:
                  use_cuda_graphs: bool | None = None, check_every: int = 16, prefill_tokens: int = 16384,
                  compile_decode: bool = False, decode_attention: str = "auto", compile_mode: str | None = None,
                  flex_kernel_options: dict | None = None, tp: TensorParallel | None = None, sync: bool = True,
-                 kv_budget_bytes: int | None = None):
+                 kv_budget_bytes: int | None = None, shrink_batch: bool = True):
         """tp: this rank's place in a tensor-parallel group (None, or size 1: one device holds the
         whole model). sync=False: the weights are left unfilled, for a streamed first sync through
         `weights.copy_named` before the first generation. kv_budget_bytes: the most bytes the KV
         cache may take (this rank's, its own kv heads under tp); a generation with more prompts than
-        `slot_capacity` admits them as others finish (None: one slot per prompt, all at once)."""
+        `slot_capacity` admits them as others finish (None: one slot per prompt, all at once).
+        shrink_batch=False: every decode step runs over the whole cache until the last sequence
+        ends (no compaction; the engine before the shrinking batch, kept as a benchmark baseline)."""
         reason = unsupported_reason(source_model.config, max_length)
         if reason:
             raise ValueError(f"rollout engine does not support {reason}")
@@ -189,6 +195,7 @@ class RolloutEngine:
         self.capture_s = 0.0
         self.kv_budget_bytes = kv_budget_bytes
         self.slot_sample: list[int | None] = []  # the sample each cache slot holds (None: free)
+        self.shrink_batch = shrink_batch
 
     def sync_weights(self, source_model) -> None:
         self.weights.sync_from(source_model)
@@ -249,7 +256,7 @@ class RolloutEngine:
         st.tokens[batch].copy_(tokens)
         st.positions[batch].add_(1).clamp_(max=self.cache.max_length - 1)
         step.add_(1)
-        done |= step >= st.max_new_tokens  # ran into max_new_tokens: the slot is free from here
+        done |= step >= st.limit[batch]  # ran into its length cap: the slot is free from here
 
     def _runner(self, mode: SamplingMode, keyed: bool = False):
         """run(rows): one decode step over the first `rows` slots (a batch bucket under CUDA graphs:
@@ -313,7 +320,8 @@ class RolloutEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, mode: SamplingMode,
                  eos_ids: list[int], pad_id: int, stop_check=None, ignore_eos: bool = False,
-                 seed: int | None = None, sample_ids: list[int] | None = None) -> Generation:
+                 seed: int | None = None, sample_ids: list[int] | None = None,
+                 length_caps: list[int] | None = None) -> Generation:
         """Sample up to max_new_tokens after each prompt.
 
         stop_check(index, tokens) -> int | None: the response length at which a stop string ends
@@ -322,6 +330,8 @@ class RolloutEngine:
         sample's tokens depend on its id, not on its batch or slot; None: torch.rand draws, except
         under tensor parallelism, where a seed from rank 0 (`TensorParallel.shared_seed`) keeps the
         ranks' draws alike. sample_ids: one per prompt (default 0..n-1), unique within a request.
+        length_caps: one per prompt, the response length (1..max_new_tokens) at which that sequence
+        ends as if it ran into max_new_tokens (benchmarks force long-tailed lengths with it).
 
         Under a KV budget (`kv_budget_bytes`) at most `slot_capacity` sequences live at once: the
         first prompts fill the slots, and at each host check a finished sequence's slot takes the
@@ -336,6 +346,9 @@ class RolloutEngine:
         count = len(prompts)
         if sample_ids is not None and len(sample_ids) != count:
             raise ValueError(f"{len(sample_ids)} sample ids for {count} prompts")
+        caps = [max_new_tokens] * count if length_caps is None else list(length_caps)
+        if len(caps) != count or not all(1 <= c <= max_new_tokens for c in caps):
+            raise ValueError(f"length_caps: one per prompt, each 1..max_new_tokens ({max_new_tokens})")
         longest = max(len(p) for p in prompts)
         length = round_up(longest + max_new_tokens, 64)
         if length > self.max_length:
@@ -360,7 +373,7 @@ class RolloutEngine:
         capture_before = self.capture_s
         run_step = self._runner(mode, keyed)  # the whole cache's graph captured, when new, before prefill
         run = _Run(prompts, list(sample_ids) if sample_ids is not None else list(range(count)), max_new_tokens,
-                   max(1, self.prefill_tokens // max(longest, 1)))
+                   max(1, self.prefill_tokens // max(longest, 1)), caps)
         start, capture_start = time.perf_counter(), self.capture_s
         self._refresh(run, mode, keyed, stop_check)
         while any(i is not None for i in self.slot_sample):
@@ -381,6 +394,8 @@ class RolloutEngine:
     def _decode_rows(self) -> int | None:
         """The batch a decode step runs at: the smallest bucket (eagerly: exactly) holding every
         live slot (None: the whole cache)."""
+        if not self.shrink_batch:
+            return None
         top = max(s for s, i in enumerate(self.slot_sample) if i is not None) + 1
         # buckets under graphs (one capture each) and compile (one compiled shape each, well inside
         # dynamo's recompile limit); eagerly the exact count
@@ -399,7 +414,7 @@ class RolloutEngine:
                 break
             self._admit(run, free[:len(run.waiting)], mode, keyed)
         # torch.rand draws go to slots: moving a sample would change its draws (keyed ones go with it)
-        if not run.waiting and (keyed or mode.greedy):
+        if self.shrink_batch and not run.waiting and (keyed or mode.greedy):
             self._compact(run)
 
     def _harvest(self, run: _Run) -> None:
@@ -436,6 +451,8 @@ class RolloutEngine:
             st.out_tokens[at] = st.pad_id
             st.positions[at] = lengths
             st.step[at] = 0
+            caps = torch.tensor([run.caps[i] for i in samples], device=self.device)
+            st.limit[at] = caps
             st.sample_ids[at] = torch.tensor([run.sample_ids[i] for i in samples], device=self.device)
             logits = self.forward.prefill(ids.to(self.device), lengths, self.cache,
                                           chunk_slots[0] if contiguous else at)
@@ -444,7 +461,7 @@ class RolloutEngine:
             st.out_logprobs[at, 0] = logprobs
             st.tokens[at] = tokens
             st.step[at] = 1
-            st.done[at] = is_stop(st.stop_table, tokens) | (run.max_new_tokens <= 1)
+            st.done[at] = is_stop(st.stop_table, tokens) | (caps <= 1)
             for s, i in zip(chunk_slots, samples):
                 self.slot_sample[s] = i
                 run.admitted_at[s] = run.steps
@@ -504,7 +521,7 @@ class RolloutEngine:
             if i in run.stopped_at and (cut is None or run.stopped_at[i] < cut):
                 cut = run.stopped_at[i]
             stopped = cut is not None
-            cut = cut or run.max_new_tokens
+            cut = cut or run.caps[i]
             out.tokens.append(row[:cut])
             out.logprobs.append(logprobs[:cut])
             out.stopped.append(stopped)

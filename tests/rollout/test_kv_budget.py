@@ -219,3 +219,21 @@ def test_tensor_parallel_budgeted_generation_equals_the_unbudgeted_single_device
         if MODES[name].greedy:
             assert ranks[0][name].tokens == reference.tokens
         assert_same_samples(model, prompts(), reference, ranks[0][name], MODES[name], SEED)
+
+
+def test_length_caps_end_each_sequence_at_its_own_length_and_a_full_batch_engine_keeps_every_slot(model):
+    mode = MODES["t1"]
+    full = engine(model).generate(prompts(), NEW_TOKENS, mode, [1], 0, ignore_eos=True, seed=SEED)
+    caps = [1 + (7 * i) % NEW_TOKENS for i in range(COUNT)]
+    capped = engine(model, SLOTS).generate(prompts(), NEW_TOKENS, mode, [1], 0, ignore_eos=True, seed=SEED,
+                                           length_caps=caps)
+    assert [len(row) for row in capped.tokens] == caps and not any(capped.stopped)
+    assert capped.tokens == [row[:cap] for row, cap in zip(full.tokens, caps)]
+    assert capped.waves > 1
+    # shrink_batch=False (the benchmark's baseline): every step over the whole cache, same samples
+    kept = engine(model, shrink_batch=False).generate(prompts(), NEW_TOKENS, mode, [1], 0, ignore_eos=True,
+                                                      seed=SEED, length_caps=caps)
+    assert kept.tokens == capped.tokens and set(kept.decode_batches) == {COUNT}
+    assert len(kept.decode_batches) == max(caps) - 1
+    with pytest.raises(ValueError, match="length_caps"):
+        engine(model).generate(prompts(), NEW_TOKENS, mode, [1], 0, length_caps=[NEW_TOKENS + 1] * COUNT)
