@@ -13,7 +13,10 @@ Made before any weight loads. It counts what the code allocates, per worker (one
   GPUs generates its T ranks' samples together: each GPU holds 1/T of the engine's weights (the
   norms replicated, the embedding and the LM head split by vocabulary), the KV cache of its
   kv heads / T (one when T exceeds them: replicated) for the group's slots, and the full-vocabulary
-  logits of every slot (each rank gathers them to sample);
+  logits of every slot (each rank gathers them to sample); under
+  policy.generation.gpu_memory_utilization U (on GPUs) the KV cache is the engine's budget, U × the
+  GPU's memory less all else the generation phase holds, at most slots × length, and a budget
+  that holds no sequence of max_total_sequence_length is refused;
 - the KL reference is whole per GPU unless sharded, and then gathered whole for its pass
   (keep_gathered) or one unit at a time;
 - with several micro-batches and keep_gathered, FSDP2 accumulates unsharded gradients (in fp32
@@ -26,6 +29,7 @@ small Qwen2); each is one named constant, to be calibrated against H200 measurem
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, replace
 from itertools import product
@@ -319,7 +323,25 @@ def micro_batching(cfg: Config, world: int, budget: int) -> tuple[int, int]:
     return -(-per_worker // max(1, budget // length)), min(budget, per_worker * length)
 
 
-def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool) -> list[Phase]:
+def kv_limited(cfg: Config, shape: ModelShape, gpu: bool, budget: int | None) -> bool:
+    """Whether the rollout engine's KV cache has a budget: policy.generation.gpu_memory_utilization
+    set, the engine running on GPUs (rlscale.workers.policy gives it one on CUDA only), the GPU's
+    memory known."""
+    gen = cfg.policy.generation
+    return (gen.gpu_memory_utilization is not None and gen.backend == "engine" and gpu and budget is not None
+            and shape.engine_supported(-(-cfg.policy.max_total_sequence_length // 64) * 64))
+
+
+def sequence_kv_bytes(cfg: Config, shape: ModelShape, gpu: bool, master: str) -> int:
+    """One sequence's KV cache on one GPU of the engine: max_total_sequence_length rounded up to
+    64 (the engine's cache length) × keys and values × layers × this rank's kv width × compute bytes."""
+    length = -(-cfg.policy.max_total_sequence_length // 64) * 64
+    local = shape.tensor_parallel_shard(cfg.policy.generation.tensor_parallel_size)
+    return length * 2 * shape.num_hidden_layers * local.kv_width * _compute_bytes(cfg, gpu, master)
+
+
+def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool, budget: int | None) -> list[Phase]:
+    """budget: the GPU's memory (None: unknown), for the KV budget of gpu_memory_utilization."""
     p, g = cfg.policy, cfg.grpo
     params, layers, vocab, hidden = (shape.parameter_count(), shape.num_hidden_layers, shape.vocab_size,
                                      shape.hidden_size)
@@ -400,11 +422,18 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool) 
     largest = max(vocab * hidden, shape.intermediate_size * hidden) / share
     step = largest * (STOCHASTIC_STEP_BYTES if master == "bf16_stochastic" else 0 if gpu else PLAIN_STEP_BYTES)
 
+    generation = {"activations": prefill * engine_forward} if engine else {
+        # transformers generate: its cache and logits live for the call only
+        "activations": prefill * forward_only, "decode buffers": count * vocab * DECODE_LOGITS_BYTES,
+        "KV cache": count * p.max_total_sequence_length * kv_token}
+    if kv_limited(cfg, shape, gpu, budget):
+        # the engine may fill gpu_memory_utilization of the GPU: its cache gets what the rest of the
+        # generation phase leaves of that (all of it is allocated by the second generation, moments
+        # included), and never more than one slot per sample takes (the engine allocates no more)
+        others = phase("generation", generation).total - base["KV cache"]
+        base["KV cache"] = min(base["KV cache"], max(0.0, p.generation.gpu_memory_utilization * budget - others))
     phases = [phase("weight sync", {"transient gathers": sync_gather}, held=0 if streamed else whole),
-              phase("generation", {"activations": prefill * engine_forward} if engine else {
-                  # transformers generate: its cache and logits live for the call only
-                  "activations": prefill * forward_only, "decode buffers": count * vocab * DECODE_LOGITS_BYTES,
-                  "KV cache": count * p.max_total_sequence_length * kv_token})]
+              phase("generation", generation)]
     optimizer_steps = g.num_prompts_per_step * g.num_generations_per_prompt // p.train_global_batch_size
     if reference or optimizer_steps > 1:  # the reference's and pi_old's logprob passes
         phases.append(phase("logprobs", {  # the sharded reference gathered whole, or one unit at a time
@@ -460,13 +489,13 @@ def _options(cfg: Config, shape: ModelShape, world: int, gpu: bool, budget: int 
     return options
 
 
-def _search(cfg, shape, world, gpu, usable, options) -> tuple[Settings, list[Phase], bool]:
+def _search(cfg, shape, world, gpu, budget, options) -> tuple[Settings, list[Phase], bool]:
     """The first settings in order of preference that fit; else those of the smallest peak.
-    Without a budget (usable None): the first."""
-    tried = []
+    Without a budget (None): the first."""
+    usable, tried = None if budget is None else usable_bytes(budget), []
     for values in product(*options.values()):
         settings = Settings(*values)
-        phases = _phases(cfg, shape, settings, world, gpu)
+        phases = _phases(cfg, shape, settings, world, gpu, budget)
         if usable is None or _peak(phases).total <= usable:
             return settings, phases, usable is not None
         tried.append((settings, phases))
@@ -486,6 +515,10 @@ class MemoryPlan:
     hint: str | None = None  # what would make it fit
     notes: tuple[str, ...] = ()
     tensor_parallel_size: int = 1  # policy.generation.tensor_parallel_size
+    # the rollout engine's KV budget per GPU under policy.generation.gpu_memory_utilization (what
+    # rlscale.workers.policy gives the engine; None: no budget, one slot per sample)
+    kv_budget_bytes: int | None = None
+    kv_refusal: str | None = None  # when that budget holds no sequence
 
     @property
     def peak(self) -> Phase | None:
@@ -501,13 +534,17 @@ class MemoryPlan:
         """The plan as JSON for the run's directory (memory_plan.json): GB per GPU by phase and component."""
         return {"model": self.model_name, "world": self.world, "tensor_parallel_size": self.tensor_parallel_size,
                 "budget_gb": None if self.budget is None else self.budget / GB, "fits": self.fits,
+                "kv_budget_bytes": self.kv_budget_bytes,
                 "picks": {f"policy.{p.key}": p.value for p in self.picks},
                 "phases": {ph.name: {"total_gb": ph.total / GB,
                                      "components_gb": {k: v / GB for k, v in ph.components.items() if v}}
                            for ph in self.phases}}
 
     def refusal(self) -> str | None:
-        """One line when the run cannot fit: the phase, its bytes, the budget, what would fit."""
+        """One line when the run cannot fit: the phase, its bytes, the budget, what would fit (or
+        the rollout engine's KV budget, when it holds no sequence)."""
+        if self.kv_refusal:
+            return self.kv_refusal
         if self.fits is not False:
             return None
         return (f"memory plan: the {self.peak.name} phase needs {self.peak.total / GB:.1f} GB per GPU, more than the "
@@ -530,7 +567,8 @@ class MemoryPlan:
         else:
             verdict = (f"budget {self.budget / GB:.1f} GB, {usable_bytes(self.budget) / GB:.1f} usable after "
                        f"{RESERVE_BYTES / GB:g} GB + {RESERVE_FRACTION:.0%} reserved: "
-                       + ("fits" if self.fits else f"does not fit; {self.hint}"))
+                       + ("refused: the rollout engine's KV budget holds no sequence" if self.kv_refusal
+                          else "fits" if self.fits else f"does not fit; {self.hint}"))
         out.append(f"  peak: {self.peak.name} {self.peak.total / GB:.1f} GB; {verdict}")
         return out + [f"  picked policy.{p.key}={json.dumps(p.value)}: {p.why}" for p in self.picks]
 
@@ -546,7 +584,7 @@ def plan_memory(cfg: Config, shape: ModelShape | None, budget_bytes: int | None,
         gpu = p.device == "cuda" or (p.device == "auto" and budget_bytes is not None)
     usable = None if budget_bytes is None else usable_bytes(budget_bytes)
     options = _options(cfg, shape, world, gpu, budget_bytes)
-    s, phases, fits = _search(cfg, shape, world, gpu, usable, options)
+    s, phases, fits = _search(cfg, shape, world, gpu, budget_bytes, options)
     sixteen = _compute_bytes(cfg, gpu, s.master_weights) == 2
     micro_batches, tokens = micro_batching(cfg, world, s.train_micro_batch_tokens)
     reference = ("none" if cfg.loss.reference_policy_kl_penalty == 0 else
@@ -562,15 +600,62 @@ def plan_memory(cfg: Config, shape: ModelShape | None, budget_bytes: int | None,
         notes += (f"rollout engine tensor-parallel over {tp} GPUs: each holds 1/{tp} of its weights, the KV cache of "
                   f"{shape.tensor_parallel_shard(tp).num_key_value_heads} of {shape.num_key_value_heads} kv heads for "
                   f"its group's samples",)
+    kv_budget, kv_note, kv_refusal = _kv_budget(cfg, shape, s, world, gpu, budget_bytes, phases)
+    notes += (kv_note,) * bool(kv_note)
     if usable is None:
         return MemoryPlan(p.model_name, shape, world, None, tuple(phases), s, notes=notes, tensor_parallel_size=tp)
-    picks = tuple(_picks(cfg, shape, world, gpu, usable, options, s)) if fits else ()
+    picks = tuple(_picks(cfg, shape, world, gpu, budget_bytes, options, s)) if fits else ()
     hint = None if fits else _hint(cfg, shape, world, gpu, budget_bytes, s)
-    return MemoryPlan(p.model_name, shape, world, budget_bytes, tuple(phases), s, picks, fits, hint, notes, tp)
+    return MemoryPlan(p.model_name, shape, world, budget_bytes, tuple(phases), s, picks, fits, hint, notes, tp,
+                      kv_budget, kv_refusal)
 
 
-def _picks(cfg, shape, world, gpu, usable, options, chosen: Settings):
+def _size(nbytes: int) -> str:
+    """Exact bytes, and GB (MB when small) to read them by."""
+    if nbytes == 0:
+        return "0 bytes"
+    return f"{nbytes} bytes ({nbytes / GB:.2f} GB)" if nbytes >= 0.01 * GB else \
+        f"{nbytes} bytes ({nbytes / 1e6:.2f} MB)"
+
+
+def _kv_budget(cfg, shape, s: Settings, world, gpu, budget, phases) -> tuple[int | None, str | None, str | None]:
+    """(the engine's KV budget per GPU, a note on it for the table, a refusal when it holds no
+    sequence) under policy.generation.gpu_memory_utilization; (None, a note or None, None) without one."""
+    gen, length = cfg.policy.generation, -(-cfg.policy.max_total_sequence_length // 64) * 64
+    util = gen.gpu_memory_utilization
+    if not kv_limited(cfg, shape, gpu, budget):
+        if util is None or gen.backend != "engine":
+            return None, None, None
+        why = ("no GPU here and cluster.gpu_memory_gb is not set" if budget is None else
+               "CPU workers: the engine has one on CUDA only" if not gpu else "the engine does not run this model")
+        return None, f"KV cache counted without policy.generation.gpu_memory_utilization={util} (slots × length): " \
+                     f"{why}", None
+    generation = next(ph for ph in phases if ph.name == "generation")
+    kv = int(generation.components["KV cache"])
+    others = generation.total - kv
+    unlimited = next(ph for ph in _phases(cfg, shape, s, world, gpu, None) if ph.name == "generation"
+                     ).components["KV cache"]
+    sequence = sequence_kv_bytes(cfg, shape, gpu, s.master_weights)
+    given = f"{util} × {budget / GB:.1f} GB less the {others / GB:.1f} GB the rest of the generation phase holds"
+    note = f"KV budget (policy.generation.gpu_memory_utilization={util}): {given}: "
+    if kv < sequence:
+        # the smallest utilization (to 0.01) that leaves room for one sequence beside the rest
+        needed = math.ceil((others + sequence) / budget * 100) / 100
+        larger = (f"policy.generation.gpu_memory_utilization={needed:.2f} or more" if needed <= 1 else
+                  "no policy.generation.gpu_memory_utilization up to 1 leaves room")
+        return kv, note + f"no sequence of {length} positions fits", (
+            f"memory plan: policy.generation.gpu_memory_utilization={util} leaves the rollout engine's KV cache "
+            f"{_size(kv)} per GPU ({given}), less than the {_size(sequence)} one sequence of "
+            f"policy.max_total_sequence_length={cfg.policy.max_total_sequence_length} needs ({length} positions): "
+            f"it fits with {larger}, a shorter policy.max_total_sequence_length or a larger "
+            f"policy.generation.tensor_parallel_size (now {gen.tensor_parallel_size})")
+    return kv, note + (f"the cache takes {kv / GB:.2f} GB, {kv // sequence} of the {int(unlimited) // sequence} "
+                       f"sequences of {length} positions at once"), None
+
+
+def _picks(cfg, shape, world, gpu, budget, options, chosen: Settings):
     """The open keys' values, each with why."""
+    usable = usable_bytes(budget)
     for key, tried in options.items():
         value = getattr(chosen, key)
         if getattr(cfg.policy, key) not in (None, "auto"):
@@ -585,9 +670,9 @@ def _picks(cfg, shape, world, gpu, usable, options, chosen: Settings):
         if len(tried) == 1:
             why = "its weights exceed 10% of the GPU's memory (the default rule)"
         elif value == tried[0]:
-            why = f"fits (peak {_peak(_phases(cfg, shape, chosen, world, gpu)).total / GB:.1f} GB)"
+            why = f"fits (peak {_peak(_phases(cfg, shape, chosen, world, gpu, budget)).total / GB:.1f} GB)"
         else:
-            worse = _peak(_phases(cfg, shape, replace(chosen, **{key: tried[0]}), world, gpu))
+            worse = _peak(_phases(cfg, shape, replace(chosen, **{key: tried[0]}), world, gpu, budget))
             why = f"with {json.dumps(tried[0])} the {worse.name} needs {worse.total / GB:.1f} GB > " \
                   f"{usable / GB:.1f} usable"
         yield Pick(key, value, why)
@@ -599,7 +684,7 @@ def _hint(cfg, shape, world, gpu, budget, best: Settings) -> str:
     T, more GPUs, or less work per GPU."""
     usable, c = usable_bytes(budget), _compute_bytes(cfg, gpu, best.master_weights)
     tp = cfg.policy.generation.tensor_parallel_size
-    engine = any(ph.components["rollout-engine weights"] for ph in _phases(cfg, shape, best, world, gpu))
+    engine = any(ph.components["rollout-engine weights"] for ph in _phases(cfg, shape, best, world, gpu, budget))
     # what no GPU count shrinks: the engine's copy (1/T of it), and the gathered policy where the
     # user keeps it gathered for the sync (else streamed) or transformers generate gathers it
     gathered = not engine or cfg.policy.keep_gathered is True
@@ -613,21 +698,21 @@ def _hint(cfg, shape, world, gpu, budget, best: Settings) -> str:
         what = (f"the rollout engine's {copy}{' and the gathered policy' if gathered else ''}" if engine
                 else f"the gathered {dtype} policy (transformers generate gathers it)")
         why = f"{what} alone take{'' if engine and gathered else 's'} {floor / GB:.1f} GB per GPU at any GPU count"
-        larger = _larger_tensor_parallel(cfg, shape, world, gpu, usable, {**free, "master_weights": no_bf16}, best)
+        larger = _larger_tensor_parallel(cfg, shape, world, gpu, budget, {**free, "master_weights": no_bf16}, best)
         return f"{why}: {larger}" if larger else (
             f"{why}, and at no policy.generation.tensor_parallel_size up to cluster.gpus_per_node="
             f"{cfg.cluster.gpus_per_node} that the model allows it fits")
 
     def fitting(masters):
-        return _search(cfg, shape, world, gpu, usable, {**free, "master_weights": masters})
+        return _search(cfg, shape, world, gpu, budget, {**free, "master_weights": masters})
 
     s, phases, fits = fitting(no_bf16)
     if not fits:
-        larger = _larger_tensor_parallel(cfg, shape, world, gpu, usable, {**free, "master_weights": no_bf16}, best)
+        larger = _larger_tensor_parallel(cfg, shape, world, gpu, budget, {**free, "master_weights": no_bf16}, best)
         if larger:
             return larger
         more = next((n for n in (world * 2 ** k for k in range(1, 14)) if cfg.policy.train_global_batch_size % n == 0
-                     and _search(cfg, shape, n, gpu, usable, _options(cfg, shape, n, gpu, budget))[2]), None)
+                     and _search(cfg, shape, n, gpu, budget, _options(cfg, shape, n, gpu, budget))[2]), None)
         if more:
             return f"it fits on {more} GPUs (cluster.num_nodes × cluster.gpus_per_node, now {world})"
         if "bf16" in free["master_weights"] and cfg.policy.master_weights != "bf16":  # the last resort
@@ -648,7 +733,7 @@ def _changed(cfg, s: Settings, best: Settings, first: str = "") -> str:
                                               for key in users or ([] if first else changed)])
 
 
-def _larger_tensor_parallel(cfg, shape, world, gpu, usable, options, best: Settings) -> str | None:
+def _larger_tensor_parallel(cfg, shape, world, gpu, budget, options, best: Settings) -> str | None:
     """'it fits with policy.generation.tensor_parallel_size=T ...' for the smallest T above the
     current one (from 1 under backend=hf: 'policy.generation.backend=engine' then) that the node
     (a divisor of cluster.gpus_per_node) and the model's shape allow and at which the run fits, the
@@ -662,7 +747,7 @@ def _larger_tensor_parallel(cfg, shape, world, gpu, usable, options, best: Setti
             continue
         larger = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={
             "generation": gen.model_copy(update={"tensor_parallel_size": size, "backend": "engine"})})})
-        s, phases, fits = _search(larger, shape, world, gpu, usable, options)
+        s, phases, fits = _search(larger, shape, world, gpu, budget, options)
         if fits:
             keys = (["policy.generation.backend=engine"] * switch
                     + [f"policy.generation.tensor_parallel_size={size}"] * (size != gen.tensor_parallel_size))

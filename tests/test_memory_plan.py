@@ -514,3 +514,81 @@ def test_budget_bytes_takes_gpu_memory_gb():
     if not torch.cuda.is_available():
         assert mp.budget_bytes(load_config(None, [])) is None
     assert math.isclose(mp.usable_bytes(H200), usable(H200))
+
+
+# ---------------------------------------------------------------- the rollout engine's KV budget
+
+
+# the 1.5B of test_a_1_5b_fits_one_h200_with_fp32_master_and_no_checkpointing, its settings fixed
+KV_BENCH = [*BENCH, "policy.model_name=Qwen/Qwen2.5-1.5B-Instruct", "policy.master_weights=fp32",
+            "policy.keep_gathered=true", "policy.activation_checkpointing=false", "cluster.gpu_memory_gb=141"]
+P_1_5B = 1_543_714_304
+SEQUENCE_1_5B = 1024 * 2 * 28 * 256 * 2  # 1024 positions × keys and values × 28 layers × kv width 2 × 128 × bf16
+# what the generation phase holds besides the KV cache: the gathered bf16 policy, fp32 master weights, fp32
+# moments, the engine's bf16 copy (2 + 4 + 8 + 2 bytes a parameter); 256 slots' decode buffers; one prefill
+# chunk of 16384 tokens through one layer's MLP (FORWARD_ONLY: 12 × hidden + 8 × intermediate)
+GENERATION_OTHERS_1_5B = 16 * P_1_5B + 256 * (151936 * 16 + 256 * 12) + 16384 * (12 * 1536 + 8 * 8960)
+
+
+def test_gpu_memory_utilization_gives_the_kv_cache_what_the_rest_of_the_generation_leaves():
+    cfg, plan_ = plan([*KV_BENCH, "policy.generation.gpu_memory_utilization=0.2"], 141 * 10**9)
+    expected = 0.2 * 141e9 - GENERATION_OTHERS_1_5B  # 3.39 GB: under the 256 sequences' 7.5 GB
+    assert 0 < expected < 256 * SEQUENCE_1_5B
+    for ph in plan_.phases:  # kept from one generation to the next: in every phase
+        assert ph.components["KV cache"] == pytest.approx(expected, rel=1e-12), ph.name
+    assert plan_.kv_budget_bytes == pytest.approx(expected, abs=1) and plan_.refusal() is None
+    assert plan_.as_dict()["kv_budget_bytes"] == plan_.kv_budget_bytes
+    note = next(line for line in plan_.lines() if line.startswith("  KV budget"))
+    assert note.endswith(f"the cache takes {expected / GB:.2f} GB, {int(expected) // SEQUENCE_1_5B} of the 256 "
+                         "sequences of 1024 positions at once")
+
+
+def test_the_kv_budget_is_capped_at_what_one_slot_per_sample_takes():
+    _, plan_ = plan([*KV_BENCH, "policy.generation.gpu_memory_utilization=0.9"], 141 * 10**9)
+    assert 0.9 * 141e9 - GENERATION_OTHERS_1_5B > 256 * SEQUENCE_1_5B
+    assert plan_.kv_budget_bytes == 256 * SEQUENCE_1_5B  # the engine never allocates more
+    assert phase(plan_, "update").components["KV cache"] == 256 * SEQUENCE_1_5B
+
+
+def test_without_a_known_budget_the_kv_cache_is_counted_unlimited_and_said_so():
+    cfg = load_config(None, [*KV_BENCH[:-1], "policy.generation.gpu_memory_utilization=0.2"])
+    plan_ = mp.plan_memory(cfg, mp.load_shape(cfg.policy.model_name), None, gpu=True)
+    assert plan_.kv_budget_bytes is None and plan_.refusal() is None
+    assert phase(plan_, "generation").components["KV cache"] == 256 * SEQUENCE_1_5B
+    assert "  KV cache counted without policy.generation.gpu_memory_utilization=0.2 (slots × length): no GPU here " \
+           "and cluster.gpu_memory_gb is not set" in plan_.lines()
+
+
+def test_a_utilization_that_holds_no_sequence_is_refused_naming_the_key():
+    from rlscale.errors import UserError
+
+    cfg = load_config(None, [*KV_BENCH, "policy.generation.gpu_memory_utilization=0.15"])
+    assert 0.15 * 141e9 < GENERATION_OTHERS_1_5B  # the rest of the generation alone takes more
+    needed = math.ceil((GENERATION_OTHERS_1_5B + SEQUENCE_1_5B) / 141e9 * 100) / 100  # 0.2
+    line = (f"memory plan: policy.generation.gpu_memory_utilization=0.15 leaves the rollout engine's KV cache 0 "
+            f"bytes per GPU (0.15 × 141.0 GB less the {GENERATION_OTHERS_1_5B / GB:.1f} GB the rest of the "
+            f"generation phase holds), less than the {SEQUENCE_1_5B} bytes (0.03 GB) one sequence of "
+            f"policy.max_total_sequence_length=1024 needs (1024 positions): it fits with "
+            f"policy.generation.gpu_memory_utilization={needed:.2f} or more, a shorter "
+            "policy.max_total_sequence_length or a larger policy.generation.tensor_parallel_size (now 1)")
+    assert mp.plan_for(cfg).refusal() == line
+    with pytest.raises(UserError) as refused:  # at the start of a run, before anything loads
+        mp.resolve(cfg)
+    assert str(refused.value) == line
+    # the utilization it names fits one sequence at least
+    _, enough = plan([*KV_BENCH, f"policy.generation.gpu_memory_utilization={needed}"], 141 * 10**9)
+    assert enough.refusal() is None and enough.kv_budget_bytes >= SEQUENCE_1_5B
+
+
+def test_the_worker_gives_the_engine_the_plans_kv_budget(monkeypatch):
+    """Not the fraction less what is allocated when the engine is built: that is before the moments exist."""
+    from types import SimpleNamespace
+
+    from rlscale.workers.policy import PolicyWorker
+
+    cfg = load_config(None, [*KV_BENCH, "policy.generation.gpu_memory_utilization=0.2"])
+    config = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=H200))
+    worker = SimpleNamespace(cfg=cfg, model=SimpleNamespace(config=config), device=torch.device("cuda"))
+    assert PolicyWorker._kv_budget(worker, 0.2) == int(0.2 * 141e9 - GENERATION_OTHERS_1_5B)

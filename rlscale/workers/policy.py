@@ -213,12 +213,25 @@ class PolicyWorker(state_io.CheckpointableWorker):
                                          compile_decode=gen.compile and self.device.type == "cuda",
                                          tp=self.tp, sync=False)
             if gen.gpu_memory_utilization is not None and self.device.type == "cuda":
-                # vLLM's reading: the engine may fill this fraction of the GPU; what is allocated now
-                # (the policy, its optimizer state, the engine's weights) comes out of it first
-                total = torch.cuda.get_device_properties(self.device).total_memory
-                self._rollout.kv_budget_bytes = max(
-                    0, int(gen.gpu_memory_utilization * total) - torch.cuda.memory_allocated(self.device))
+                self._rollout.kv_budget_bytes = self._kv_budget(gen.gpu_memory_utilization)
         return self._rollout
+
+    def _kv_budget(self, utilization: float) -> int:
+        """The engine's KV budget: vLLM's reading, the engine may fill this fraction of the GPU, less
+        all else the generation phase holds. The memory plan's figure (rlscale.memory_plan, made again
+        here from the model's config and the run's settings: arithmetic only), not the fraction less
+        what is allocated now: the engine is built at the first generation, before the optimizer's
+        moments exist, and such a budget would overshoot once they do."""
+        from rlscale import memory_plan
+
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        gb = self.cfg.cluster.gpu_memory_gb  # the plan's budget where the user gave one (memory_plan.budget_bytes)
+        shape = memory_plan.ModelShape.from_config(self.model.config.to_dict())
+        plan = memory_plan.plan_memory(self.cfg, shape, total if gb is None else int(gb * memory_plan.GB), gpu=True)
+        if plan.kv_budget_bytes is not None:
+            return plan.kv_budget_bytes
+        # no figure (the plan does not take the engine to run this model's shape): what is allocated now
+        return max(0, int(utilization * total) - torch.cuda.memory_allocated(self.device))
 
     # ------------------------------------------------------------------ training
 

@@ -121,3 +121,19 @@ def test_dry_run_refuses_a_tensor_parallel_size_the_model_or_the_nodes_cannot_ta
         assert result.returncode != 0 and "Traceback" not in result.output, extra
         assert result.stderr.strip().splitlines() == [line], extra
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_dry_run_refuses_a_gpu_memory_utilization_that_holds_no_sequence(tmp_path):
+    """The rollout engine's KV budget (the fraction of the GPU less the rest of the generation phase)
+    must hold one sequence: the table is printed, then one line naming the key."""
+    result = run_cli("train", "--dry-run", "policy.model_name=Qwen/Qwen2.5-1.5B-Instruct", "cluster.gpu_memory_gb=141",
+                     "policy.generation.vllm_cfg.gpu_memory_utilization=0.1", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "rlscale: error: memory plan: policy.generation.gpu_memory_utilization=0.1 leaves the rollout engine's KV "
+        "cache 0 bytes per GPU (0.1 × 141.0 GB less the ")
+    assert "or more, a shorter policy.max_total_sequence_length or a larger " \
+           "policy.generation.tensor_parallel_size (now 1)" in lines[0]
+    assert "#   KV budget (policy.generation.gpu_memory_utilization=0.1): " in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
