@@ -102,21 +102,49 @@ def bench_scale(
     typer.echo(format_table(out))
 
 
+def check_gen_lengths(lengths: str, mean_tokens: float | None, new_tokens: int) -> None:
+    """`bench gen`'s long-tailed options: a known distribution, a mean inside 1..the cap."""
+    from rlscale.bench.gen import LENGTHS
+
+    if lengths not in LENGTHS:
+        raise UserError(f"--lengths {lengths!r}: choose fixed, geometric or lognormal")
+    if mean_tokens is None:
+        return
+    if lengths == "fixed":
+        raise UserError("--mean-tokens needs --lengths geometric or lognormal (fixed: every response --new-tokens)")
+    if not 1 <= mean_tokens <= new_tokens:
+        raise UserError(f"--mean-tokens {mean_tokens:g}: the mean response length must be 1..{new_tokens} "
+                        "(--new-tokens, the cap)")
+
+
+def check_fraction(option: str, value: float | None) -> None:
+    if value is not None and not 0 < value <= 1:
+        raise UserError(f"{option} {value:g}: expected a fraction F with 0 < F <= 1")
+
+
 @bench_app.command("gen")
 def bench_gen(
     model: list[str] = typer.Option(["qwen2-0.5b"], "--model", help="qwen2-0.5b, qwen2-1.5b, qwen2-7b, tiny (repeatable)"),
     variant: Optional[list[str]] = typer.Option(
         None, "--variant", help="hf_dynamic, hf_static, engine, engine_compiled, engine_sdpa, engine_matmul, "
-        "engine_autotune, engine_flex_defaults, engine_eager (repeatable); default: hf_dynamic, "
+        "engine_autotune, engine_flex_defaults, engine_eager, engine_full_batch (repeatable); default: hf_dynamic, "
         "hf_static, engine_compiled (the engine as `rlscale train` runs it: compiled, CUDA graphs)"),
     batch: int = typer.Option(256, "--batch", min=1, help="sequences per generate call"),
     prompt_tokens: int = typer.Option(64, "--prompt-tokens", min=1),
-    new_tokens: int = typer.Option(256, "--new-tokens", min=2),
+    new_tokens: int = typer.Option(256, "--new-tokens", min=2, help="response length (the cap with --lengths)"),
     reps: int = typer.Option(3, "--reps", min=1, help="timed repetitions after the warm-up"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results here as JSON"),
     kernel_profile: Optional[Path] = typer.Option(
         None, "--kernel-profile", help="append torch.profiler tables (device kernels by time) of one extra "
         "call per variant to this text file"),
+    lengths: str = typer.Option(
+        "fixed", "--lengths", help="fixed (every response --new-tokens, EOS ignored), geometric or lognormal "
+        "(each response ends at a length drawn once per sequence, capped at --new-tokens; reports useful tok/s)"),
+    mean_tokens: Optional[float] = typer.Option(
+        None, "--mean-tokens", help="the drawn lengths' mean (default: --new-tokens / 4)"),
+    gpu_memory_utilization: Optional[float] = typer.Option(
+        None, "--gpu-memory-utilization", help="CUDA: the engine's KV cache may fill this fraction of the GPU "
+        "less what is allocated (a batch that does not fit is admitted in waves); ignored on CPU"),
 ) -> None:
     """Generation tokens/s: rlscale's rollout engine against Hugging Face generate."""
     from rlscale.bench.gen import DEFAULT_VARIANTS, VARIANTS, format_table, run_benchmark
@@ -126,8 +154,11 @@ def bench_gen(
     for name in variants:
         if name not in VARIANTS:
             raise UserError(f"--variant {name!r}: choose one of {', '.join(VARIANTS)}")
+    check_gen_lengths(lengths, mean_tokens, new_tokens)
+    check_fraction("--gpu-memory-utilization", gpu_memory_utilization)
     out = run_benchmark(model, variants, batch, prompt_tokens, new_tokens, reps, json_file, echo=typer.echo,
-                        kernel_profile=kernel_profile)
+                        kernel_profile=kernel_profile, lengths=lengths, mean_tokens=mean_tokens,
+                        gpu_memory_utilization=gpu_memory_utilization)
     typer.echo(format_table(out))
 
 

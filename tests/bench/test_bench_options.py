@@ -21,6 +21,17 @@ from rlscale.errors import UserError
     (["bench", "step", "--pairs", "3", "--only", "trl"],
      "--pairs runs both halves unprofiled: leave out --only and --profile-step"),
     (["bench", "train", "--model", "qwen9"], "--model 'qwen9': choose one of tiny, qwen2-0.5b, qwen2-1.5b, qwen2-7b"),
+    (["bench", "gen", "--lengths", "zipf"], "--lengths 'zipf': choose fixed, geometric or lognormal"),
+    (["bench", "gen", "--mean-tokens", "32"],
+     "--mean-tokens needs --lengths geometric or lognormal (fixed: every response --new-tokens)"),
+    (["bench", "gen", "--lengths", "geometric", "--mean-tokens", "300"],
+     "--mean-tokens 300: the mean response length must be 1..256 (--new-tokens, the cap)"),
+    (["bench", "gen", "--lengths", "lognormal", "--new-tokens", "16", "--mean-tokens", "0.5"],
+     "--mean-tokens 0.5: the mean response length must be 1..16 (--new-tokens, the cap)"),
+    (["bench", "gen", "--gpu-memory-utilization", "1.5"],
+     "--gpu-memory-utilization 1.5: expected a fraction F with 0 < F <= 1"),
+    (["bench", "gen", "--gpu-memory-utilization", "0"],
+     "--gpu-memory-utilization 0: expected a fraction F with 0 < F <= 1"),
 ])
 def test_bad_bench_options_are_user_errors(args, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
