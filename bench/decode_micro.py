@@ -17,7 +17,27 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from rlscale.rollout.forward import live_prefix_block_mask
+from rlscale.rollout.forward import FLEX_KV_BLOCK
+
+def live_prefix_block_mask(positions: torch.Tensor, length: int, queries: int):
+    """(The slotted cache's mask, before the paged one: kept here for this micro-benchmark.)
+    Flex attention block mask for a decode step: slot b ([B] `positions`) sees cache positions
+    0..positions[b] out of `length`, its `queries` query rows (the grouped heads) alike. Only the
+    blocks holding those positions are listed, so the kernel never reads the dead rest of the cache;
+    within them `kv_idx <= positions[b]` masks each position. Built once per step, from tensors only
+    (no host sync), so it lives inside the compiled step and the CUDA graph."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    slots, blocks = positions.shape[0], -(-length // FLEX_KV_BLOCK)
+    live = (positions // FLEX_KV_BLOCK + 1).clamp(max=blocks).to(torch.int32).view(slots, 1, 1)
+    order = torch.arange(blocks, device=positions.device, dtype=torch.int32).expand(slots, 1, 1, blocks)
+
+    def within_prefix(b, h, q_idx, kv_idx):
+        return kv_idx <= positions[b]
+
+    return BlockMask.from_kv_blocks(live, order.contiguous(), BLOCK_SIZE=FLEX_KV_BLOCK,
+                                    mask_mod=within_prefix, seq_lengths=(queries, length), compute_q_blocks=False)
+
 
 dev = "cuda"; dt = torch.bfloat16
 B, Hkv, G, D, L = 256, 2, 7, 64, 384

@@ -1,28 +1,32 @@
-"""The rollout engine: batched prefill, a slotted KV cache, decode steps replayed as CUDA graphs.
+"""The rollout engine: batched prefill, a paged KV cache, decode steps replayed as CUDA graphs.
 
     engine = RolloutEngine(policy_model, device, dtype)
     engine.sync_weights(policy_model)           # after every update; copies in place, no disk
     out = engine.generate(prompt_ids, max_new_tokens=256, mode=SamplingMode(1.0), eos_ids=[eos])
 
 A compiled decode step on CUDA attends through flex attention with a block mask of each
-sequence's live cache blocks, built on the device every step, so one graph serves every length.
-On CUDA each (batch bucket, cache length, sampling mode) gets one captured graph: the whole
-cache's before the prefill of the first generation that needs it, a smaller bucket's at its first
-use; the host loop replays them and, every `check_every` steps (and when a sequence runs into
-max_new_tokens), reads back which sequences have stopped. With `compile_decode` the step (forward
-and sampling) is compiled whole before capture. On CPU the same step runs eagerly (the path the
-tests exercise).
+sequence's own cache blocks, built on the device every step, so one graph serves every length.
+On CUDA each (batch bucket, sampling mode) gets one captured graph: the whole batch's before the
+prefill of the first generation that needs it, a smaller bucket's at its first use; the host loop
+replays them and, every `check_every` steps (and when a sequence runs into its length cap), reads
+back which sequences have stopped. With `compile_decode` the step (forward and sampling) is
+compiled whole before capture. On CPU the same step runs eagerly (the path the tests exercise).
 
-Slots, admission and a shrinking batch: a cache slot holds one sequence's keys and values for the
-whole cache length. `kv_budget_bytes` caps the cache at `slot_capacity` slots; a generation with
-more prompts admits them as others finish: at each host check a finished sequence's row is copied
-out, its slot freed, and the next waiting prompts are prefilled into the free slots (one
-`Generation.waves` each round). Once none waits, the live sequences are compacted into the lowest
-slots (KV rows and state rows copied) and a step runs over the first `rows` slots only: the
-smallest batch bucket holding them (eagerly, exactly them), so step cost follows the sequences
-still running (`Generation.decode_batches`). A slot is a sequence's full length, reserved at
-admission: not paged (no block table; a short response still holds its whole slot until it ends).
-With torch.rand draws (no seed) sequences are not moved, since a slot's draws would change.
+Paged cache, admission, preemption, a shrinking batch: the KV cache is a pool of blocks of
+`block_size` positions (`forward.KVCache`; `blocks.BlockPool` keeps which blocks each slot's
+sequence holds, mirrored on the device as the slots' block table). A sequence takes blocks as it
+grows, at each host check those it writes into before the next one, and gives them all back when
+it ends. `kv_budget_bytes` sizes the pool (without one: every sequence's full length at once). A
+generation with more prompts than fit admits them as blocks free up: at each host check a
+finished sequence's slot and blocks are freed and the next waiting prompts are prefilled into
+free slots while the pool has blocks for them (one `Generation.waves` each round). When the live
+sequences outgrow the pool, the newest is preempted: its blocks freed, its sample back at the
+head of the queue, prefilled again later from its prompt (`Generation.preemptions`; greedy and
+keyed draws give it the same tokens). Once none waits, the live sequences are compacted into the
+lowest slots (state rows and block table rows; the blocks stay put) and a step runs over the
+first `rows` slots only: the smallest batch bucket holding them (eagerly, exactly them), so step
+cost follows the sequences still running (`Generation.decode_batches`). With torch.rand draws (no
+seed) sequences are not moved, since a slot's draws would change.
 
 Tensor parallelism (`tp`, `tensor_parallel.py`): every rank of the group runs the same
 `generate` on the same prompts with 1/T of the weights; the forward pass all-reduces and gathers
@@ -47,7 +51,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlscale.rollout.forward import DecoderForward, KVCache, rotary_table
+from rlscale.rollout.blocks import BlockPool
+from rlscale.rollout.forward import FLEX_KV_BLOCK, DecoderForward, KVCache, rotary_table
 from rlscale.rollout.sampling import SamplingMode, keyed_uniform, sample_tokens, uniform_draws
 from rlscale.rollout.stops import is_stop, stop_table
 from rlscale.rollout.tensor_parallel import TensorParallel
@@ -66,6 +71,10 @@ class Generation:
     # fewer sequences than prompts) and the batch each decode step ran at (shrinks as sequences end)
     waves: int = 1
     decode_batches: list[int] = field(default_factory=list)
+    # sequences sent back to wait (their blocks freed) when the pool ran out, and the most cache
+    # blocks held at once
+    preemptions: int = 0
+    peak_blocks: int = 0
 
 
 def batch_bucket(size: int) -> int:
@@ -83,7 +92,11 @@ def round_up(value: int, multiple: int) -> int:
 class _DecodeState:
     """Static buffers a captured decode step reads and writes (addresses never change)."""
 
-    def __init__(self, slots: int, max_new_tokens: int, device, pad_id: int, eos_ids: list[int]):
+    def __init__(self, slots: int, max_new_tokens: int, device, pad_id: int, eos_ids: list[int], blocks: int,
+                 scratch: int):
+        # each slot's cache blocks in order (its `BlockPool.table` row; `scratch` where it has none)
+        self.scratch = scratch
+        self.block_table = torch.full((slots, blocks), scratch, dtype=torch.long, device=device)
         self.tokens = torch.full((slots,), pad_id, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)
         self.done = torch.ones(slots, dtype=torch.bool, device=device)
@@ -122,7 +135,7 @@ class _DecodeState:
 
     def per_slot(self) -> list[torch.Tensor]:
         """The buffers with one row per slot: what compaction moves with a slot's KV rows."""
-        return self.written() + [self.sample_ids, self.limit]
+        return self.written() + [self.sample_ids, self.limit, self.block_table]
 
 
 class _Run:
@@ -139,7 +152,7 @@ class _Run:
         self.stopped_at: dict[int, int] = {}  # sample -> response length its stop string ends it at
         self.settled: set[int] = set()  # samples ended by eos whose text the stop strings have seen
         self.admitted_at: dict[int, int] = {}  # slot -> decode steps run before its sample's prefill
-        self.steps, self.waves, self.prefill_s = 0, 0, 0.0
+        self.steps, self.waves, self.prefill_s, self.preemptions = 0, 0, 0.0, 0
         self.decode_batches: list[int] = []
 
     def next_deadline(self, slot_sample: list[int | None]) -> int:
@@ -154,12 +167,13 @@ class RolloutEngine:
                  use_cuda_graphs: bool | None = None, check_every: int = 16, prefill_tokens: int = 16384,
                  compile_decode: bool = False, decode_attention: str = "auto", compile_mode: str | None = None,
                  flex_kernel_options: dict | None = None, tp: TensorParallel | None = None, sync: bool = True,
-                 kv_budget_bytes: int | None = None, shrink_batch: bool = True):
+                 kv_budget_bytes: int | None = None, shrink_batch: bool = True, block_size: int = FLEX_KV_BLOCK):
         """tp: this rank's place in a tensor-parallel group (None, or size 1: one device holds the
         whole model). sync=False: the weights are left unfilled, for a streamed first sync through
         `weights.copy_named` before the first generation. kv_budget_bytes: the most bytes the KV
         cache may take (this rank's, its own kv heads under tp); a generation with more prompts than
         `slot_capacity` admits them as others finish (None: one slot per prompt, all at once).
+        block_size: cache positions per block of the paged cache (flex attention's block size).
         shrink_batch=False: every decode step runs over the whole cache until the last sequence
         ends (no compaction; the engine before the shrinking batch, kept as a benchmark baseline)."""
         reason = unsupported_reason(source_model.config, max_length)
@@ -196,33 +210,51 @@ class RolloutEngine:
         self.kv_budget_bytes = kv_budget_bytes
         self.slot_sample: list[int | None] = []  # the sample each cache slot holds (None: free)
         self.shrink_batch = shrink_batch
+        self.block_size = block_size
+        self.pool: BlockPool | None = None
+        self.block_logical: torch.Tensor | None = None  # [pool blocks + 1]: each block's index in its table
 
     def sync_weights(self, source_model) -> None:
         self.weights.sync_from(source_model)
 
-    def slot_bytes(self, length: int) -> int:
-        """One slot's KV cache bytes at `length` positions (this rank's kv heads)."""
-        return KVCache.slot_bytes(self.weights.local_shape, length, self.dtype)
+    def block_bytes(self) -> int:
+        """One cache block's bytes (this rank's kv heads, every layer, keys and values)."""
+        return KVCache.sequence_bytes(self.weights.local_shape, self.block_size, self.dtype)
 
-    def slot_capacity(self, length: int) -> int | None:
-        """How many sequences of `length` cache positions the KV budget holds at once (None: no budget)."""
+    def slot_bytes(self, length: int) -> int:
+        """The KV cache bytes of one sequence of `length` positions, in whole blocks."""
+        return -(-length // self.block_size) * self.block_bytes()
+
+    def budget_blocks(self) -> int | None:
+        """The blocks the KV budget holds besides the scratch block (None: no budget)."""
         if self.kv_budget_bytes is None:
             return None
-        slots = self.kv_budget_bytes // self.slot_bytes(length)
-        if slots < 1:
+        return self.kv_budget_bytes // self.block_bytes() - 1
+
+    def slot_capacity(self, length: int) -> int | None:
+        """How many sequences of `length` cache positions the KV budget holds at once, each grown to
+        its full length (None: no budget). Shorter ones hold fewer blocks, so more run at once."""
+        if self.kv_budget_bytes is None:
+            return None
+        blocks = self.budget_blocks() // -(-length // self.block_size)
+        if blocks < 1:
             raise ValueError(f"the rollout engine's KV budget of {self.kv_budget_bytes} bytes holds no sequence of "
-                             f"{length} positions (one takes {self.slot_bytes(length)} bytes)")
-        return slots
+                             f"{length} positions (one takes {self.slot_bytes(length)} bytes and the scratch block "
+                             f"{self.block_bytes()})")
+        return blocks
 
     # ------------------------------------------------------------------ buffers and graphs
 
-    def _ensure_buffers(self, slots: int, length: int, max_new_tokens: int, pad_id: int, eos_ids: list[int]):
-        """Reuse the cache and graphs when the request fits them; otherwise grow (and recapture)."""
-        fits = (self.cache is not None and self.cache.slots == slots and self.cache.max_length >= length
-                and (self.kv_budget_bytes is None or self.cache.nbytes <= self.kv_budget_bytes)
+    def _ensure_buffers(self, slots: int, blocks: int, table_width: int, max_new_tokens: int, pad_id: int,
+                        eos_ids: list[int]):
+        """Reuse the cache and graphs when the request fits them; otherwise remake (and recapture).
+        slots: sequences decoding at once; blocks: the pool; table_width: blocks per sequence."""
+        fits = (self.cache is not None and self.cache.num_blocks == blocks and len(self.slot_sample) == slots
+                and self.state.block_table.shape[1] == table_width
                 and self.state.max_new_tokens == max_new_tokens and self.state.pad_id == pad_id
                 and self.state.eos.tolist() == (eos_ids or [-1]))
         if fits:
+            self.pool = BlockPool(blocks, self.block_size, slots)
             return
         self.graphs.clear()
         # a fresh pool for the new graphs: capturing into the old one, whose graphs are gone, trips
@@ -231,12 +263,16 @@ class RolloutEngine:
         self.cache = self.state = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.cache = KVCache(self.weights.local_shape, slots, length, self.device, self.dtype)
-        self.state = _DecodeState(slots, max_new_tokens, self.device, pad_id, eos_ids)
+        self.cache = KVCache(self.weights.local_shape, blocks, self.block_size, self.device, self.dtype)
+        self.pool = BlockPool(blocks, self.block_size, slots)
+        self.state = _DecodeState(slots, max_new_tokens, self.device, pad_id, eos_ids, table_width, self.pool.scratch)
+        self.block_logical = torch.zeros(blocks + 1, dtype=torch.long, device=self.device)
+        self.slot_sample = [None] * slots
 
     def _forward_and_sample(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                            mode: SamplingMode, uniform: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return sample_tokens(self.forward.decode(tokens, positions, cache), mode, uniform)
+                            block_table: torch.Tensor, block_logical: torch.Tensor, mode: SamplingMode,
+                            uniform: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return sample_tokens(self.forward.decode(tokens, positions, cache, block_table, block_logical), mode, uniform)
 
     def _step(self, mode: SamplingMode, keyed: bool = False, rows: int | None = None) -> None:
         """One decode step on the static buffers' first `rows` slots (None: all): forward, sample,
@@ -247,14 +283,16 @@ class RolloutEngine:
         # the draws are made here, outside the compiled region: the native rand is safe to capture
         # in the CUDA graph, a random op inside an inductor graph may replay the same numbers
         uniform = st.draws(batch, mode, keyed, every_slot=True)
-        tokens, logprobs = self._decode_and_sample(st.tokens[batch], st.positions[batch], self.cache, mode, uniform)
+        tokens, logprobs = self._decode_and_sample(st.tokens[batch], st.positions[batch], self.cache,
+                                                   st.block_table[batch], self.block_logical, mode, uniform)
         tokens = torch.where(done, st.pad_id, tokens)
         column = torch.where(done, st.max_new_tokens, step)[:, None]
         st.out_tokens[batch].scatter_(1, column, tokens[:, None])
         st.out_logprobs[batch].scatter_(1, column, logprobs[:, None])
         st.done[batch] |= is_stop(st.stop_table, tokens)
         st.tokens[batch].copy_(tokens)
-        st.positions[batch].add_(1).clamp_(max=self.cache.max_length - 1)
+        # a finished slot runs on past its blocks: those positions map to the scratch block
+        st.positions[batch].add_(1).clamp_(max=st.block_table.shape[1] * self.block_size - 1)
         step.add_(1)
         done |= step >= st.limit[batch]  # ran into its length cap: the slot is free from here
 
@@ -271,8 +309,9 @@ class RolloutEngine:
                 self.graphs[key] = self._capture(mode, keyed, rows)
             return self.graphs[key]
 
-        graph(self.cache.slots)
-        return lambda rows=None: graph(rows or self.cache.slots).replay()
+        slots = len(self.slot_sample)
+        graph(slots)
+        return lambda rows=None: graph(rows or slots).replay()
 
     @contextmanager
     def _state_restored(self):
@@ -354,13 +393,19 @@ class RolloutEngine:
         if length > self.max_length:
             raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds the engine's "
                              f"max_length {self.max_length}")
-        capacity = self.slot_capacity(length)
-        at_once = count if capacity is None else min(count, capacity)
+        width = -(-length // self.block_size)  # blocks of the longest sequence
+        self.slot_capacity(longest + max_new_tokens)  # a budget that cannot hold the longest sequence is refused
+        blocks = self.budget_blocks()
+        if blocks is None:  # no budget: every sequence at once, each its full length
+            at_once = count
+        else:  # at most as many as the pool holds at their first blocks (admission takes fewer)
+            first = -(-(min(len(p) for p in prompts) + min(self.check_every, max_new_tokens)) // self.block_size)
+            at_once = min(count, max(1, blocks // first))
         slots = batch_bucket(at_once) if self.use_graphs else at_once
-        if capacity is not None:
-            slots = min(slots, capacity)
-        self._ensure_buffers(slots, length, max_new_tokens, pad_id, [] if ignore_eos else eos_ids)
+        self._ensure_buffers(slots, slots * width if blocks is None else blocks, width, max_new_tokens, pad_id,
+                             [] if ignore_eos else eos_ids)
         st = self.state
+        st.block_table.fill_(self.pool.scratch)
         st.done.fill_(True)
         st.step.zero_()
         st.out_tokens.fill_(pad_id)
@@ -369,7 +414,7 @@ class RolloutEngine:
         st.sample_ids.zero_()
         if keyed:
             st.seed.fill_(seed)
-        self.slot_sample = [None] * self.cache.slots
+        self.slot_sample = [None] * slots
         capture_before = self.capture_s
         run_step = self._runner(mode, keyed)  # the whole cache's graph captured, when new, before prefill
         run = _Run(prompts, list(sample_ids) if sample_ids is not None else list(range(count)), max_new_tokens,
@@ -380,7 +425,7 @@ class RolloutEngine:
             rows = self._decode_rows()
             run_step(rows)
             run.steps += 1
-            run.decode_batches.append(rows or self.cache.slots)
+            run.decode_batches.append(rows or slots)
             if run.steps % self.check_every == 0 or run.steps >= run.next_deadline(self.slot_sample):
                 self._refresh(run, mode, keyed, stop_check)
         self._sync()
@@ -388,7 +433,8 @@ class RolloutEngine:
         timings = {"prefill_s": run.prefill_s, "capture_s": self.capture_s - capture_before,
                    "decode_s": elapsed - run.prefill_s - (self.capture_s - capture_start)}
         out = self._collect(run, eos_ids, ignore_eos, timings)
-        out.waves, out.decode_batches = run.waves, run.decode_batches
+        out.waves, out.decode_batches, out.preemptions = run.waves, run.decode_batches, run.preemptions
+        out.peak_blocks = self.pool.peak_used
         return out
 
     def _decode_rows(self) -> int | None:
@@ -399,20 +445,22 @@ class RolloutEngine:
         top = max(s for s, i in enumerate(self.slot_sample) if i is not None) + 1
         # buckets under graphs (one capture each) and compile (one compiled shape each, well inside
         # dynamo's recompile limit); eagerly the exact count
-        rows = min(batch_bucket(top), self.cache.slots) if self.use_graphs or self.compiled else top
-        return None if rows == self.cache.slots else rows
+        slots = len(self.slot_sample)
+        rows = min(batch_bucket(top), slots) if self.use_graphs or self.compiled else top
+        return None if rows == slots else rows
 
     def _refresh(self, run: _Run, mode: SamplingMode, keyed: bool, stop_check) -> None:
-        """A host check: stop strings, finished sequences out (their slots freed), waiting prompts
-        into the lowest free slots, and, once none waits, compaction of the live ones."""
+        """A host check: stop strings, finished sequences out (their slots and blocks freed), the
+        live ones given blocks up to the next check, waiting prompts into the lowest free slots
+        while the pool has blocks for them, and, once none waits, compaction of the live ones."""
         while True:  # a prompt may end at prefill (eos, or max_new_tokens 1): its slot is free again
             if stop_check is not None:
                 self._apply_stop_strings(stop_check, run)
             self._harvest(run)
+            self._grow(run)
             free = [s for s, i in enumerate(self.slot_sample) if i is None]
-            if not (run.waiting and free):
+            if not (run.waiting and free) or not self._admit(run, free[:len(run.waiting)], mode, keyed):
                 break
-            self._admit(run, free[:len(run.waiting)], mode, keyed)
         # torch.rand draws go to slots: moving a sample would change its draws (keyed ones go with it)
         if self.shrink_batch and not run.waiting and (keyed or mode.greedy):
             self._compact(run)
@@ -431,14 +479,73 @@ class RolloutEngine:
         logprobs = self.state.out_logprobs[at, :run.max_new_tokens].tolist()
         for s, row, lp in zip(finished, tokens, logprobs):
             run.tokens[self.slot_sample[s]], run.logprobs[self.slot_sample[s]] = row, lp
-            self.slot_sample[s] = None
+            self._free_slot(s)
 
-    def _admit(self, run: _Run, targets: list[int], mode: SamplingMode, keyed: bool) -> None:
-        """Prefill the next waiting prompts into slots `targets` (in row chunks, so activations stay
-        bounded for long prompts) and sample each one's first token (response position 0)."""
+    def _free_slot(self, slot: int) -> None:
+        """The slot's sequence is gone: its blocks back to the pool, its table row to scratch."""
+        self.pool.release(slot)
+        self.state.block_table[slot] = self.pool.scratch
+        self.state.done[slot] = True
+        self.slot_sample[slot] = None
+
+    def _lookahead(self, run: _Run, sample: int, position: int) -> int:
+        """Positions a sequence at `position` (its next write) needs until the next host check: at
+        most check_every more steps, and never past its last token's position."""
+        return min(position + self.check_every, len(run.prompts[sample]) + run.caps[sample])
+
+    def _push_blocks(self, slot: int, new: list[tuple[int, int]]) -> None:
+        """Mirror newly taken blocks on the device: the slot's table row, each block's logical index."""
+        if new:
+            logical = torch.tensor([k for k, _ in new], device=self.device)
+            physical = torch.tensor([b for _, b in new], device=self.device)
+            self.state.block_table[slot, logical] = physical
+            self.block_logical[physical] = logical
+
+    def _grow(self, run: _Run) -> None:
+        """Give every live sequence the blocks it writes into before the next check, oldest first.
+        When the pool runs out, the newest live sequence is preempted: its blocks freed, its sample
+        back at the head of the queue, to be prefilled again from its prompt (its tokens come out
+        the same: greedy, or keyed draws by sample and position)."""
+        live = [s for s, i in enumerate(self.slot_sample) if i is not None]
+        if not live:
+            return
+        positions = dict(zip(live, self.state.positions[torch.tensor(live, device=self.device)].tolist()))
+        for s in sorted(live, key=lambda s: (run.admitted_at[s], s)):
+            while self.slot_sample[s] is not None:
+                new = self.pool.grow(s, self._lookahead(run, self.slot_sample[s], positions[s]))
+                if new is not None:
+                    self._push_blocks(s, new)
+                    break
+                newest = max((t for t, i in enumerate(self.slot_sample) if i is not None),
+                             key=lambda t: (run.admitted_at[t], t))
+                self._preempt(run, newest)
+
+    def _preempt(self, run: _Run, slot: int) -> None:
+        sample = self.slot_sample[slot]
+        run.waiting.appendleft(sample)
+        run.stopped_at.pop(sample, None)
+        run.settled.discard(sample)
+        run.admitted_at.pop(slot)
+        run.preemptions += 1
+        self._free_slot(slot)
+
+    def _admit(self, run: _Run, targets: list[int], mode: SamplingMode, keyed: bool) -> bool:
+        """Prefill the next waiting prompts into slots `targets` while the pool has blocks for
+        them (in row chunks, so activations stay bounded for long prompts) and sample each one's
+        first token (response position 0). False: the pool had no blocks for the first of them."""
         st, start = self.state, time.perf_counter()
-        for first in range(0, len(targets), run.prefill_rows):
-            chunk_slots = targets[first:first + run.prefill_rows]
+        taken = []
+        for s in targets:  # blocks in queue order: the first that does not fit waits, and those after it
+            sample = run.waiting[len(taken)]
+            new = self.pool.grow(s, self._lookahead(run, sample, len(run.prompts[sample])))
+            if new is None:
+                break
+            self._push_blocks(s, new)
+            taken.append(s)
+        if not taken:
+            return False
+        for first in range(0, len(taken), run.prefill_rows):
+            chunk_slots = taken[first:first + run.prefill_rows]
             samples = [run.waiting.popleft() for _ in chunk_slots]
             chunk = [run.prompts[i] for i in samples]
             width = max(len(p) for p in chunk)
@@ -446,7 +553,6 @@ class RolloutEngine:
             for i, p in enumerate(chunk):
                 ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
             lengths = torch.tensor([len(p) for p in chunk], device=self.device)
-            contiguous = chunk_slots == list(range(chunk_slots[0], chunk_slots[0] + len(chunk_slots)))
             at = torch.tensor(chunk_slots, device=self.device)
             st.out_tokens[at] = st.pad_id
             st.positions[at] = lengths
@@ -454,8 +560,7 @@ class RolloutEngine:
             caps = torch.tensor([run.caps[i] for i in samples], device=self.device)
             st.limit[at] = caps
             st.sample_ids[at] = torch.tensor([run.sample_ids[i] for i in samples], device=self.device)
-            logits = self.forward.prefill(ids.to(self.device), lengths, self.cache,
-                                          chunk_slots[0] if contiguous else at)
+            logits = self.forward.prefill(ids.to(self.device), lengths, self.cache, st.block_table[at])
             tokens, logprobs = sample_tokens(logits, mode, st.draws(at, mode, keyed))
             st.out_tokens[at, 0] = tokens
             st.out_logprobs[at, 0] = logprobs
@@ -468,22 +573,25 @@ class RolloutEngine:
         run.waves += 1
         self._sync()
         run.prefill_s += time.perf_counter() - start
+        return True
 
     def _compact(self, run: _Run) -> None:
-        """Move the live slots above the first `live` into the free ones below (KV rows and state
-        rows), so the live sequences sit in slots 0..live-1 and a smaller batch holds them."""
+        """Move the live slots above the first `live` into the free ones below (state rows and
+        block table rows: the blocks stay where they are), so the live sequences sit in slots
+        0..live-1 and a smaller batch holds them."""
         live = sum(i is not None for i in self.slot_sample)
         holes = [s for s in range(live) if self.slot_sample[s] is None]
         if not holes:
             return
         movers = [s for s in range(live, len(self.slot_sample)) if self.slot_sample[s] is not None]
         dst, src = torch.tensor(holes, device=self.device), torch.tensor(movers, device=self.device)
-        self.cache.move(dst, src)
         for buffer in self.state.per_slot():
             buffer[dst] = buffer[src]
         self.state.done[src] = True
+        self.state.block_table[src] = self.pool.scratch
         for d, s in zip(holes, movers):
             self.slot_sample[d], self.slot_sample[s] = self.slot_sample[s], None
+            self.pool.move(d, s)
             run.admitted_at[d] = run.admitted_at.pop(s)
 
     def _apply_stop_strings(self, stop_check, run: _Run) -> None:

@@ -1,11 +1,14 @@
-"""The decoder forward pass over `DecodeWeights` and a slotted KV cache.
+"""The decoder forward pass over `DecodeWeights` and a paged KV cache.
 
-Each sequence owns one row ("slot") of the cache, `max_length` positions long. Prefill runs the
-right-padded prompts through every layer at once and writes their keys/values to positions
-0..len-1; a decode step feeds one token per slot at its own position, writes its key/value there
-and attends to the positions up to it. Shapes never depend on the data, so a decode step can be
-captured as a CUDA graph. Attention is over the whole cache, masked per slot; flex attention (the
-compiled CUDA step's) reads only each slot's live blocks of it (`live_prefix_block_mask`).
+The cache is a pool of blocks of `block_size` positions (`KVCache`; which blocks a sequence holds
+is `blocks.BlockPool`'s bookkeeping, mirrored on the device as a block table [slots, blocks per
+sequence]). Prefill runs the right-padded prompts through every layer at once and writes their
+keys/values to their blocks; a decode step feeds one token per slot at its own position, writes
+its key/value into the block holding that position and attends to the positions up to it. Shapes
+never depend on the data (the block table is a static buffer), so a decode step can be captured
+as a CUDA graph. SDPA and matmul attention gather each slot's blocks into a row of the logical
+length, masked per slot; flex attention (the compiled CUDA step's) reads the pool in place, only
+the blocks each slot's table lists (`paged_block_mask`).
 
 Each layer of a decode step is `decode_head` (norm, q/k/v, rotary, cache write), `decode_attend`
 and `block_tail` (o projection, MLP, shared with prefill), the layer's weights passed as arguments
@@ -53,31 +56,36 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class KVCache:
-    """Per layer: keys and values [slots, kv_heads, max_length, head_dim] (attention's own layout).
-    `shape`: the rank's (`DecodeWeights.local_shape`), so kv_heads are its own under tensor parallelism."""
+    """Per layer: keys and values [kv_heads, (num_blocks + 1) × block_size, head_dim], block b at
+    positions b·block_size.. of the middle axis; the last block is the scratch block (where
+    positions no sequence owns write, `blocks.BlockPool.scratch`). `shape`: the rank's
+    (`DecodeWeights.local_shape`), so kv_heads are its own under tensor parallelism."""
 
-    def __init__(self, shape: ModelShape, slots: int, max_length: int, device, dtype):
-        size = (slots, shape.num_kv_heads, max_length, shape.head_dim)
+    def __init__(self, shape: ModelShape, num_blocks: int, block_size: int, device, dtype):
+        size = (shape.num_kv_heads, (num_blocks + 1) * block_size, shape.head_dim)
         # zeroed, not empty: masked-out positions still enter the attention product, and 0 * NaN
         # from uninitialised memory would poison every row
         self.keys = [torch.zeros(size, device=device, dtype=dtype) for _ in range(shape.num_layers)]
         self.values = [torch.zeros(size, device=device, dtype=dtype) for _ in range(shape.num_layers)]
-        self.slots, self.max_length = slots, max_length
+        self.num_blocks, self.block_size = num_blocks, block_size
 
     @staticmethod
-    def slot_bytes(shape: ModelShape, max_length: int, dtype: torch.dtype) -> int:
-        """The bytes of one slot (one sequence's keys and values, every layer, `max_length` rows)."""
+    def sequence_bytes(shape: ModelShape, positions: int, dtype: torch.dtype) -> int:
+        """The bytes of `positions` positions' keys and values, every layer (a block: block_size)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * shape.num_layers * shape.num_kv_heads * max_length * shape.head_dim * itemsize
+        return 2 * shape.num_layers * shape.num_kv_heads * positions * shape.head_dim * itemsize
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
-    def move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy slots `src` [N] into slots `dst` [N] (every layer, whole length): compaction."""
-        for t in self.keys + self.values:
-            t[dst] = t[src]
+
+def physical_positions(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Where logical `positions` [B, ...] of each row's sequence sit in the pool: its block table
+    row [B, blocks] maps position // block_size to a physical block."""
+    flat = positions.reshape(positions.shape[0], -1)
+    blocks = (flat // block_size).clamp(max=block_table.shape[1] - 1)
+    return (block_table.gather(1, blocks) * block_size + flat % block_size).view(positions.shape)
 
 
 def rotary_table(source_model, max_length: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,23 +114,32 @@ def default_flex_kernel_options(device: torch.device) -> dict:
     return {}
 
 
-def live_prefix_block_mask(positions: torch.Tensor, length: int, queries: int):
-    """Flex attention block mask for a decode step: slot b ([B] `positions`) sees cache positions
-    0..positions[b] out of `length`, its `queries` query rows (the grouped heads) alike. Only the
-    blocks holding those positions are listed, so the kernel never reads the dead rest of the cache;
-    within them `kv_idx <= positions[b]` masks each position. Built once per step, from tensors only
-    (no host sync), so it lives inside the compiled step and the CUDA graph."""
+def paged_block_mask(block_table: torch.Tensor, block_logical: torch.Tensor, positions: torch.Tensor,
+                     block_size: int, pool_positions: int, queries: int):
+    """Flex attention block mask for a decode step over the pool [kv_heads, pool_positions, D]
+    read in place: slot b ([B] `positions`, block table row [B, blocks]) sees its own blocks up to
+    the one holding positions[b], listed in its table's order. The mask function alone says the
+    same (eager flex attention reads only it, the compiled kernel both): a physical position is
+    visible to slot b when its block is b's, at its logical index (`block_logical` [pool blocks]:
+    each block's index in its owner's table), and its logical position is at most positions[b].
+    From tensors only (no host sync): it lives inside the compiled step and the CUDA graph."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    slots, blocks = positions.shape[0], -(-length // FLEX_KV_BLOCK)
-    live = (positions // FLEX_KV_BLOCK + 1).clamp(max=blocks).to(torch.int32).view(slots, 1, 1)
-    order = torch.arange(blocks, device=positions.device, dtype=torch.int32).expand(slots, 1, 1, blocks)
+    slots, blocks = block_table.shape
+    live = (positions // block_size + 1).clamp(max=blocks).to(torch.int32).view(slots, 1, 1)
+    # the compiled kernel wants one column per block of the kv length (the pool's): the table's
+    # blocks first, the unlisted rest zero (as torch's PagedAttention pads its converted mask)
+    order = torch.zeros(slots, 1, 1, pool_positions // block_size, dtype=torch.int32, device=block_table.device)
+    order[..., :blocks] = block_table.to(torch.int32).view(slots, 1, 1, blocks)
 
-    def within_prefix(b, h, q_idx, kv_idx):
-        return kv_idx <= positions[b]
+    def within_sequence(b, h, q_idx, kv_idx):
+        block = kv_idx // block_size
+        logical = block_logical[block]
+        owned = block_table[b, logical.clamp(max=blocks - 1)] == block
+        return owned & (logical * block_size + kv_idx % block_size <= positions[b])
 
-    return BlockMask.from_kv_blocks(live, order.contiguous(), BLOCK_SIZE=FLEX_KV_BLOCK,
-                                    mask_mod=within_prefix, seq_lengths=(queries, length), compute_q_blocks=False)
+    return BlockMask.from_kv_blocks(live, order, BLOCK_SIZE=block_size, mask_mod=within_sequence,
+                                    seq_lengths=(queries, pool_positions), compute_q_blocks=False)
 
 
 class DecoderForward:
@@ -193,19 +210,21 @@ class DecoderForward:
         return self.tp.all_gather_last(logits)[..., :self.vocab_size]
 
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache,
-                slot0: int | torch.Tensor) -> torch.Tensor:
-        """Right-padded prompts [B, T] into cache slots slot0..slot0+B-1 (or, given a tensor of B
-        slot indices, into those slots: continuous admission fills the slots finished sequences
-        freed); returns the logits at each prompt's last token [B, vocab]."""
+                block_table: torch.Tensor) -> torch.Tensor:
+        """Right-padded prompts [B, T] into the blocks of their slots' block table rows [B, blocks]
+        (the padding's keys into the scratch block); returns the logits at each prompt's last token
+        [B, vocab]."""
         batch, width = tokens.shape
-        rows = slot0 if isinstance(slot0, torch.Tensor) else slice(slot0, slot0 + batch)
         positions = torch.arange(width, device=tokens.device).expand(batch, width)
+        scratch = cache.num_blocks * cache.block_size
+        write_at = torch.where(positions < lengths[:, None],
+                               physical_positions(block_table, positions, cache.block_size), scratch).flatten()
         h = self.embed(tokens)
         for i, layer in enumerate(self.w.layers):
             q, k, v = self._qkv(rms_norm(h, layer.input_norm, self.s.rms_eps), positions, *layer.head[1:])
+            cache.keys[i][:, write_at] = k.flatten(0, 1).transpose(0, 1)
+            cache.values[i][:, write_at] = v.flatten(0, 1).transpose(0, 1)
             k, v = k.transpose(1, 2), v.transpose(1, 2)
-            cache.keys[i][rows, :, :width] = k
-            cache.values[i][rows, :, :width] = v
             # causal attention suffices with right padding: real tokens never see the padding
             attn = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k, v, is_causal=True, enable_gqa=self.s.num_heads != self.s.num_kv_heads)
@@ -215,35 +234,43 @@ class DecoderForward:
 
     # ------------------------------------------------------------------ decode
 
-    def decode_head(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
+    def decode_head(self, h: torch.Tensor, positions: torch.Tensor, write_at: torch.Tensor, keys: torch.Tensor,
                     values: torch.Tensor, input_norm: torch.Tensor, qkv: torch.Tensor,
                     qkv_bias: torch.Tensor | None, q_norm: torch.Tensor | None,
                     k_norm: torch.Tensor | None) -> torch.Tensor:
         """A decode step's layer up to attention: input norm, q/k/v at `positions` [B], this step's
-        key/value written in place into the layer's cache tensors `keys`/`values` (whole length, at
-        rows `slots` [B]); returns q grouped by kv head, [B, Hkv, G, D]. The layer's weights come as
+        key/value written in place into the layer's pool tensors `keys`/`values` at pool positions
+        `write_at` [B]; returns q grouped by kv head, [B, Hkv, G, D]. The layer's weights come as
         arguments (`LayerWeights.head`), as in `block_tail`."""
         s = self.s
         q, k, v = self._qkv(rms_norm(h, input_norm, s.rms_eps), positions, qkv, qkv_bias, q_norm, k_norm)
-        keys[slots, :, positions] = k
-        values[slots, :, positions] = v
+        keys[:, write_at] = k.transpose(0, 1)
+        values[:, write_at] = v.transpose(0, 1)
         # the query heads sharing a kv head act as that head's "query positions": no kv repeat
         return q.unflatten(1, (s.num_kv_heads, s.num_heads // s.num_kv_heads))
 
-    def visible(self, positions: torch.Tensor, length: int) -> torch.Tensor | BlockMask:
-        """What slot b may attend to, its positions 0..positions[b] of a `length`-position cache: a
-        mask [B, 1, 1, length], or for flex attention a block mask listing only each slot's live
-        blocks (so the kernel skips the rest of the cache, in one graph for every length)."""
+    def visible(self, positions: torch.Tensor, block_table: torch.Tensor, block_logical: torch.Tensor,
+                cache: KVCache) -> tuple[torch.Tensor | BlockMask, torch.Tensor | None]:
+        """What slot b may attend to, its positions 0..positions[b]: for flex attention a block
+        mask over the pool listing only each slot's live blocks (the kernel reads them in place and
+        skips the rest, in one graph for every length), else a mask [B, 1, 1, L] over its blocks
+        gathered into a row of L = blocks × block_size positions, and the pool positions to gather [B, L]."""
         if self.decode_attention == "flex":
-            return live_prefix_block_mask(positions, length, self.s.num_heads // self.s.num_kv_heads)
-        return (torch.arange(length, device=positions.device) <= positions[:, None])[:, None, None, :]
+            return paged_block_mask(block_table, block_logical, positions, cache.block_size,
+                                    cache.keys[0].shape[1], self.s.num_heads // self.s.num_kv_heads), None
+        span = block_table.shape[1] * cache.block_size
+        gather_at = physical_positions(block_table, torch.arange(span, device=positions.device).expand(
+            positions.shape[0], span), cache.block_size)
+        return (torch.arange(span, device=positions.device) <= positions[:, None])[:, None, None, :], gather_at
 
     def decode_attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                      visible: torch.Tensor | BlockMask) -> torch.Tensor:
-        """q [B, Hkv, G, D] over the layer cache's first B slots and first visible.shape[-1]
-        positions -> attention output [B, H * D]."""
-        batch, length = q.shape[0], visible.shape[-1]
-        keys, values = keys[:batch, :, :length], values[:batch, :, :length]
+                      visible: torch.Tensor | BlockMask, gather_at: torch.Tensor | None) -> torch.Tensor:
+        """q [B, Hkv, G, D] over the layer's pool (flex: in place; else each slot's blocks gathered
+        from pool positions `gather_at` [B, L]) -> attention output [B, H * D]."""
+        if gather_at is None:
+            keys, values = keys[None], values[None]  # [1, Hkv, pool, D]: one pool for every slot
+        else:
+            keys, values = keys[:, gather_at].transpose(0, 1), values[:, gather_at].transpose(0, 1)
         if self.decode_attention == "sdpa":
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
         elif self.decode_attention == "flex":
@@ -257,14 +284,16 @@ class DecoderForward:
             attn = probs @ values
         return attn.flatten(1)
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One token per slot [B] at `positions` [B] (each below cache.max_length) -> next-token
-        logits [B, vocab]."""
-        slots = torch.arange(tokens.shape[0], device=tokens.device)
-        visible = self.visible(positions, cache.max_length)
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, block_table: torch.Tensor,
+               block_logical: torch.Tensor) -> torch.Tensor:
+        """One token per slot [B] at `positions` [B] (each within its block table row [B, blocks])
+        -> next-token logits [B, vocab]. block_logical [pool blocks + 1]: each block's index in its
+        owner's table (flex attention's mask)."""
+        write_at = physical_positions(block_table, positions, cache.block_size)
+        visible, gather_at = self.visible(positions, block_table, block_logical, cache)
         h = self.embed(tokens)
         for i, layer in enumerate(self.w.layers):
             keys, values = cache.keys[i], cache.values[i]
-            q = self.decode_head(h, positions, slots, keys, values, *layer.head)
-            h = self.block_tail(h, self.decode_attend(q, keys, values, visible), *layer.tail)
+            q = self.decode_head(h, positions, write_at, keys, values, *layer.head)
+            h = self.block_tail(h, self.decode_attend(q, keys, values, visible, gather_at), *layer.tail)
         return self.logits(h)

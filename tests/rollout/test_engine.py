@@ -259,33 +259,44 @@ def test_models_outside_the_supported_families_are_named():
 
 
 @needs_a_compiler
-def test_compiled_flex_decode_attention_reads_the_live_blocks_and_equals_masked_sdpa():
+def test_compiled_flex_decode_attention_reads_each_slots_own_blocks_of_the_pool_and_equals_masked_sdpa():
     # eager flex applies only the mask function; compiled flex (as on CUDA) also skips every block
     # the block mask does not list, so the list itself is checked here
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    from rlscale.rollout.forward import FLEX_KV_BLOCK, live_prefix_block_mask
+    from rlscale.rollout.forward import paged_block_mask
 
-    slots, kv_heads, group, dim, span = 4, 2, 7, 16, 320
+    slots, kv_heads, group, dim, block, pool = 4, 2, 7, 16, 16, 24
     g = torch.Generator().manual_seed(8)
     q = torch.randn(slots, kv_heads, group, dim, generator=g)
-    keys, values = (torch.randn(slots, kv_heads, span, dim, generator=g) for _ in range(2))
-    positions = torch.tensor([0, 127, 200, 319])  # first, last and middle blocks
+    keys, values = (torch.randn(kv_heads, (pool + 1) * block, dim, generator=g) for _ in range(2))
+    positions = torch.tensor([0, 15, 40, 63])  # first, last and middle blocks
+    table = torch.full((slots, 4), pool)  # the scratch block where a slot has no block
+    owned = torch.randperm(pool, generator=g).tolist()  # blocks scattered over the pool
+    logical = torch.zeros(pool + 1, dtype=torch.long)
+    for slot, position in enumerate(positions.tolist()):
+        for k in range(position // block + 1):
+            table[slot, k] = owned.pop()
+            logical[table[slot, k]] = k
 
     def attend(q, keys, values, positions):
-        return flex_attention(q, keys, values, block_mask=live_prefix_block_mask(positions, span, group))
+        mask = paged_block_mask(table, logical, positions, block, keys.shape[1], group)
+        return flex_attention(q, keys[None], values[None], block_mask=mask)
 
     def attend_first_block_only(q, keys, values, positions):
-        mask = live_prefix_block_mask(positions, span, group)
+        mask = paged_block_mask(table, logical, positions, block, keys.shape[1], group)
         first = BlockMask.from_kv_blocks(torch.ones(slots, 1, 1, dtype=torch.int32), mask.kv_indices,
-                                         BLOCK_SIZE=FLEX_KV_BLOCK, mask_mod=mask.mask_mod,
-                                         seq_lengths=(group, span), compute_q_blocks=False)
-        return flex_attention(q, keys, values, block_mask=first)
+                                         BLOCK_SIZE=block, mask_mod=mask.mask_mod,
+                                         seq_lengths=(group, keys.shape[1]), compute_q_blocks=False)
+        return flex_attention(q, keys[None], values[None], block_mask=first)
 
-    mask = (torch.arange(span) <= positions[:, None])[:, None, None, :]
-    expected = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    gather = (table[:, :, None] * block + torch.arange(block)).flatten(1)  # each slot's blocks in order
+    visible = (torch.arange(gather.shape[1]) <= positions[:, None])[:, None, None, :]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, keys[:, gather].transpose(0, 1), values[:, gather].transpose(0, 1), attn_mask=visible)
     out = torch.compile(attend, dynamic=False)(q, keys, values, positions)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(attend(q, keys, values, positions), expected, atol=1e-5, rtol=0)  # eager: the mask
     # the negative control: listing fewer blocks changes the slots whose positions pass the first
     short = torch.compile(attend_first_block_only, dynamic=False)(q, keys, values, positions)
     changed = (short - out).abs().amax(dim=(1, 2, 3))
