@@ -318,11 +318,23 @@ class CheckpointingConfig(_Section):
         "state beyond it is written during the snapshot, stalling the loop longer")
     writers_per_rank: int = Field(4, ge=1, le=64, description="files and writer (and reader) threads per worker")
     verify_checksums: bool = Field(False, description="check file checksums when resuming (reads every byte)")
-    lustre_stripe_count: int | None = Field(
-        None, ge=-1, description="with `lfs` on PATH: `lfs setstripe -c` on each step dir (-1 = all targets)")
+    lustre_stripe_count: int | Literal["ranks"] | None = Field(
+        None, description="with `lfs` on PATH: `lfs setstripe -c` on each step dir (-1 = all targets; ranks = "
+        "the worker count, resolved at load)")
     lustre_stripe_size: str | None = Field(
         None, pattern=r"^[0-9]+[KMG]?$", description="with lustre_stripe_count: `lfs setstripe -S`, e.g. 4M")
+    node_write_gbps: float = Field(
+        2.0, gt=0.0, allow_inf_nan=False,
+        description="GB/s (1e9 bytes) one node sustains writing checkpoint_dir: the memory plan's save time per "
+        "node against preemption_grace_s (measure yours with `rlscale bench io`)")
 
+
+    @field_validator("lustre_stripe_count")
+    @classmethod
+    def _stripe_count(cls, value: Any) -> Any:
+        if isinstance(value, int) and value < -1:
+            raise ValueError("expected -1 (every storage target), a count of 0 or more, or ranks")
+        return value
 
     @field_validator("resume", mode="before")
     @classmethod
@@ -413,6 +425,11 @@ class Config(_Section):
     @model_validator(mode="after")
     def _check_sizes(self) -> Config:
         derive_sizes(self)  # raises ValueError on impossible combinations
+        if self.checkpointing.lustre_stripe_count == "ranks":  # rlscale/lustre.py: one target per rank
+            from rlscale.lustre import stripe_count
+
+            self.checkpointing.lustre_stripe_count = stripe_count(
+                "ranks", self.cluster.num_nodes * self.cluster.gpus_per_node)
         check_tensor_parallel(self)
         ckpt = self.checkpointing
         if not ckpt.enabled and ckpt.resume not in ("auto", "never"):

@@ -460,7 +460,10 @@ def make_worker_group(cfg: Config):
     use_gpus = cfg.cluster.use_gpus
     if use_gpus is None:
         use_gpus = cfg.policy.device != "cpu" and cluster_has_gpus()
-    return RayWorkerGroup(cfg, use_gpus)
+    group = RayWorkerGroup(cfg, use_gpus)  # cluster.num_nodes nodes, gpus_per_node workers each
+    if cfg.cluster.num_nodes > 1:
+        print_note(group.placement_line())  # which ranks run on which node (ip, Ray node id)
+    return group
 
 
 def make_scorer(cfg: Config):

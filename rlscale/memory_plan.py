@@ -502,6 +502,77 @@ def _search(cfg, shape, world, gpu, budget, options) -> tuple[Settings, list[Pha
     return *min(tried, key=lambda t: _peak(t[1]).total), False
 
 
+# ------------------------------------------------------------------ a save, per node (the preemption promise)
+
+# what a rank saves beside its tensors: RNG states (CPU and device generators), the optimizer's and
+# scheduler's counters, the loader position, its part of the manifest; well under this
+SMALL_STATE_BYTES_PER_RANK = 64 * 1024
+
+
+@dataclass(frozen=True)
+class SaveFigures:
+    """A checkpoint's bytes per node and the time a node needs to write them at
+    checkpointing.node_write_gbps, against checkpointing.preemption_grace_s. Each rank writes the
+    shards it holds (total / world), so a node writes gpus_per_node ranks' shares: its master
+    weights (the dtype they train in; engine weights are never saved), its AdamW moments and
+    SMALL_STATE_BYTES_PER_RANK per rank."""
+
+    nodes: int
+    ranks_per_node: int
+    master_dtype: str  # "fp32" or "bf16"
+    weights_bytes: int  # per node
+    moments_bytes: int  # per node
+    rest_bytes: int  # per node
+    node_write_gbps: float
+    grace_s: float
+    save_period: int
+
+    @property
+    def node_bytes(self) -> int:
+        return self.weights_bytes + self.moments_bytes + self.rest_bytes
+
+    @property
+    def write_s(self) -> float:
+        return self.node_bytes / (self.node_write_gbps * GB)
+
+    @property
+    def fits_grace(self) -> bool:
+        return self.write_s <= self.grace_s
+
+    def line(self) -> str:
+        figures = (f"save per node ({self.ranks_per_node} rank{'s' if self.ranks_per_node > 1 else ''}, "
+                   f"{self.nodes} node{'s' if self.nodes > 1 else ''}): {self.node_bytes / GB:.1f} GB = "
+                   f"{self.master_dtype} master weights {self.weights_bytes / GB:.1f} + AdamW moments "
+                   f"{self.moments_bytes / GB:.1f} + the rest {self.rest_bytes / GB:.3f}; "
+                   f"{self.write_s:.1f} s at checkpointing.node_write_gbps={self.node_write_gbps:g} GB/s")
+        if self.fits_grace:
+            return (f"{figures}, within checkpointing.preemption_grace_s={self.grace_s:g} s: "
+                    "a preemption takes an emergency save")
+        return (f"{figures}, more than checkpointing.preemption_grace_s={self.grace_s:g} s: "
+                f"no emergency save fits, a preemption loses at most checkpointing.save_period={self.save_period} steps")
+
+    def as_dict(self) -> dict:
+        return {"nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "master_dtype": self.master_dtype,
+                "node_bytes": self.node_bytes, "weights_bytes": self.weights_bytes,
+                "moments_bytes": self.moments_bytes, "rest_bytes": self.rest_bytes,
+                "node_write_gbps": self.node_write_gbps, "write_s": self.write_s,
+                "preemption_grace_s": self.grace_s, "fits_grace": self.fits_grace, "save_period": self.save_period}
+
+
+def save_figures(cfg: Config, shape: ModelShape, s: Settings, gpu: bool) -> SaveFigures:
+    """The bytes one node writes per save under settings `s` (see SaveFigures)."""
+    c = _compute_bytes(cfg, gpu, s.master_weights)
+    master = s.master_weights if c == 2 else "fp32"  # fp32 compute trains fp32 weights (as _phases)
+    w = 4 if master == "fp32" else 2
+    moments = 8 if master in ("fp32", "bf16_stochastic") else 2 * w
+    nodes, per_node = cfg.cluster.num_nodes, cfg.cluster.gpus_per_node
+    params = shape.parameter_count()
+    ck = cfg.checkpointing
+    return SaveFigures(nodes, per_node, "fp32" if w == 4 else "bf16", math.ceil(params * w / nodes),
+                       math.ceil(params * moments / nodes), per_node * SMALL_STATE_BYTES_PER_RANK,
+                       ck.node_write_gbps, ck.preemption_grace_s, ck.save_period)
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     model_name: str
@@ -519,6 +590,7 @@ class MemoryPlan:
     # rlscale.workers.policy gives the engine; None: no budget, one slot per sample)
     kv_budget_bytes: int | None = None
     kv_refusal: str | None = None  # when that budget holds no sequence
+    save: SaveFigures | None = None  # a checkpoint's bytes and write time per node (the preemption promise)
 
     @property
     def peak(self) -> Phase | None:
@@ -538,7 +610,8 @@ class MemoryPlan:
                 "picks": {f"policy.{p.key}": p.value for p in self.picks},
                 "phases": {ph.name: {"total_gb": ph.total / GB,
                                      "components_gb": {k: v / GB for k, v in ph.components.items() if v}}
-                           for ph in self.phases}}
+                           for ph in self.phases},
+                **({"save": self.save.as_dict()} if self.save else {})}
 
     def refusal(self) -> str | None:
         """One line when the run cannot fit: the phase, its bytes, the budget, what would fit (or
@@ -569,6 +642,7 @@ class MemoryPlan:
                        f"{RESERVE_BYTES / GB:g} GB + {RESERVE_FRACTION:.0%} reserved: "
                        + ("refused: the rollout engine's KV budget holds no sequence" if self.kv_refusal
                           else "fits" if self.fits else f"does not fit; {self.hint}"))
+        out += [f"  {self.save.line()}"] * bool(self.save)  # a save per node against the spot grace
         out.append(f"  peak: {self.peak.name} {self.peak.total / GB:.1f} GB; {verdict}")
         return out + [f"  picked policy.{p.key}={json.dumps(p.value)}: {p.why}" for p in self.picks]
 
@@ -602,12 +676,14 @@ def plan_memory(cfg: Config, shape: ModelShape | None, budget_bytes: int | None,
                   f"its group's samples",)
     kv_budget, kv_note, kv_refusal = _kv_budget(cfg, shape, s, world, gpu, budget_bytes, phases)
     notes += (kv_note,) * bool(kv_note)
+    save = save_figures(cfg, shape, s, gpu)
     if usable is None:
-        return MemoryPlan(p.model_name, shape, world, None, tuple(phases), s, notes=notes, tensor_parallel_size=tp)
+        return MemoryPlan(p.model_name, shape, world, None, tuple(phases), s, notes=notes, tensor_parallel_size=tp,
+                          save=save)
     picks = tuple(_picks(cfg, shape, world, gpu, budget_bytes, options, s)) if fits else ()
     hint = None if fits else _hint(cfg, shape, world, gpu, budget_bytes, s)
     return MemoryPlan(p.model_name, shape, world, budget_bytes, tuple(phases), s, picks, fits, hint, notes, tp,
-                      kv_budget, kv_refusal)
+                      kv_budget, kv_refusal, save)
 
 
 def _size(nbytes: int) -> str:

@@ -4,6 +4,7 @@ about GPUs and nodes.
 Ray is imported in a function, never at import time, so a one-worker run needs no Ray. The modules
 that import Ray, and why:
 - rlscale/ray_runtime.py (this one): start or join Ray, size a local one, GPU and node discovery
+  (a local Ray is one node: `started_locally`)
 - rlscale/workers/ray_group.py: places the policy workers as Ray actors, turns Ray's errors into one line
 - rlscale/rewards/ray_pool.py: scores rewards in Ray actors (`rewards.ray_actors > 0`)
 - rlscale/cluster/jobs.py: `rlscale job`, a client of a remote cluster's Ray Jobs API (starts no Ray here)
@@ -36,8 +37,17 @@ def local_ray_cpus(cfg: Config) -> int:
     return max(os.cpu_count() or 1, wanted)
 
 
+_STARTED_LOCALLY = False  # whether start_ray started a local Ray (one node, which no node joins)
+
+
+def started_locally() -> bool:
+    """Whether this process's Ray is a local one that start_ray started: one node, for good."""
+    return _STARTED_LOCALLY and ray_module().is_initialized()
+
+
 def start_ray(cfg: Config) -> None:
     """Join `cluster.address` (a running cluster, or the one a Ray job runs in), else start a local one."""
+    global _STARTED_LOCALLY
     ray = ray_module()
     if ray.is_initialized():
         return
@@ -53,6 +63,7 @@ def start_ray(cfg: Config) -> None:
             # on this machine (Ray would join that one, or fail on a stale record of it)
             ray.init(address="local", num_cpus=local_ray_cpus(cfg), runtime_env=runtime_env,
                      include_dashboard=False, log_to_driver=True)
+            _STARTED_LOCALLY = True
     except ConnectionError as exc:
         raise UserError(f"cluster.address {address!r}: cannot connect to Ray ({exc})") from None
 

@@ -592,3 +592,39 @@ def test_the_worker_gives_the_engine_the_plans_kv_budget(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=H200))
     worker = SimpleNamespace(cfg=cfg, model=SimpleNamespace(config=config), device=torch.device("cuda"))
     assert PolicyWorker._kv_budget(worker, 0.2) == int(0.2 * 141e9 - GENERATION_OTHERS_1_5B)
+
+
+# ---------------------------------------------------------------- a save per node (the preemption promise)
+
+
+def test_seed_72b_save_per_node_against_the_spot_grace():
+    """The 8 × 8 job with fp32 master weights (the pick at T = 8 on B200s): each node writes its 8
+    ranks' shares of the fp32 weights (4 bytes a parameter) and AdamW's two fp32 moments (8), plus
+    64 KB of small state per rank; at 2 GB/s per node that takes ~54.5 s, past a 15 s spot grace,
+    so the plan promises no emergency save and at most save_period steps lost."""
+    cfg, plan_ = plan([*SEED_72B, "policy.generation.tensor_parallel_size=8"], 180 * 10**9)
+    p = qwen2_params(8192, 80, 64, 8, 29568, 152064, False)  # 72,706,203,648
+    assert p == 72_706_203_648
+    save = plan_.save
+    assert (save.nodes, save.ranks_per_node, save.master_dtype) == (8, 8, "fp32")
+    assert save.weights_bytes == 4 * p // 8 == 36_353_101_824
+    assert save.moments_bytes == 8 * p // 8 == 72_706_203_648
+    assert save.rest_bytes == 8 * 64 * 1024
+    assert save.node_bytes == 12 * p // 8 + 8 * 65536 == 109_059_829_760  # 109.1 GB a node, 872.5 GB in all
+    assert save.node_write_gbps == 2.0 and save.grace_s == 15.0 and save.save_period == 2
+    assert save.write_s == pytest.approx(109_059_829_760 / 2e9) == pytest.approx(54.53, abs=0.01)
+    assert not save.fits_grace
+    assert [line for line in plan_.lines() if line.startswith("  save per node")] == [(
+        "  save per node (8 ranks, 8 nodes): 109.1 GB = fp32 master weights 36.4 + AdamW moments 72.7 + the rest "
+        "0.001; 54.5 s at checkpointing.node_write_gbps=2 GB/s, more than checkpointing.preemption_grace_s=15 s: "
+        "no emergency save fits, a preemption loses at most checkpointing.save_period=2 steps")]
+    assert plan_.as_dict()["save"]["node_bytes"] == 109_059_829_760
+
+    # 8 GB/s a node: 13.6 s, within the grace: an emergency save is promised
+    _, fast = plan([*SEED_72B, "policy.generation.tensor_parallel_size=8", "checkpointing.node_write_gbps=8"],
+                   180 * 10**9)
+    assert fast.save.fits_grace and fast.save.write_s == pytest.approx(109_059_829_760 / 8e9)
+    assert next(line for line in fast.lines() if "save per node" in line).endswith("within checkpointing.preemption_grace_s=15 s: a preemption takes an emergency save")
+    # bf16 master weights (2 bytes) and bf16 moments (2 × 2): 6 bytes a parameter
+    _, bf16 = plan([*SEED_72B, "policy.generation.tensor_parallel_size=8", "policy.master_weights=bf16"], 180 * 10**9)
+    assert (bf16.save.master_dtype, bf16.save.weights_bytes, bf16.save.moments_bytes) == ("bf16", 2 * p // 8, 4 * p // 8)

@@ -34,3 +34,16 @@ class NodeReporter:
     def ready(self) -> dict:
         return {"rank": self.rank, "env_rank": int(os.environ["RANK"]), "node": self.node,
                 "group_rank": self.group_rank, "members": self.members, "rank_sum": self.rank_sum}
+
+
+class FailsToStart:
+    """A worker whose constructor fails on the last rank, as a policy worker does whose
+    torch.distributed cannot find its socket interface (NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME=ens5
+    on a node without it)."""
+
+    def __init__(self, cfg, rank: int, world_size: int):
+        if rank == world_size - 1:
+            raise ValueError("Unable to find address for: ens5")
+
+    def ready(self) -> dict:
+        return {}

@@ -45,3 +45,21 @@ def kill_a_worker_once(response: str, answer: str) -> float:
                 os.kill(int(pid), signal.SIGKILL)
                 break
     return digit_share(response, answer)
+
+
+def pause_for_node_loss(response: str, answer: str) -> float:
+    """Scores like digit_share, but once the path in RLSCALE_TEST_PAUSE_AFTER exists (a committed
+    checkpoint's step dir) it touches RLSCALE_TEST_PAUSE_READY and waits (60 s at most) for
+    RLSCALE_TEST_PAUSE_GO: the test takes a node away meanwhile, mid-step, with the policy
+    workers idle between calls (tests/integration/test_two_nodes.py)."""
+    import os
+    import time
+
+    after, ready, go = (os.environ.get(f"RLSCALE_TEST_PAUSE_{name}") for name in ("AFTER", "READY", "GO"))
+    if after and ready and go and os.path.exists(after) and not os.path.exists(go):
+        with open(ready, "a"):
+            pass
+        deadline = time.monotonic() + 60
+        while not os.path.exists(go) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return digit_share(response, answer)
