@@ -64,8 +64,9 @@ class GenerationConfig(_Section):
     gpu_memory_utilization: float | None = Field(
         None, gt=0.0, le=1.0, description="engine on CUDA: the fraction of the GPU's memory the rollout engine "
         "may fill; its KV cache gets that fraction of the total less all else the memory plan counts in the "
-        "generation phase (moments included), and holds as many sequences at once as fit (the rest are "
-        "admitted as others finish); null = no budget, one cache slot per sample (NeMo-RL's "
+        "generation phase (moments included), in 128-position blocks that sequences take as they grow (the "
+        "rest wait, the newest is preempted when the pool runs out); null = no budget, every sample's full "
+        "length at once (NeMo-RL's "
         "policy.generation.vllm_cfg.gpu_memory_utilization is the same key)")
 
     @model_validator(mode="before")
