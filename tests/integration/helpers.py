@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,3 +118,23 @@ def policy_weights(step_dir: Path) -> dict:
     for shard in sorted((Path(step_dir) / "policy").glob("*.safetensors")):
         weights.update(load_file(shard))
     return weights
+
+
+@contextmanager
+def loopback_ray_cluster(head_node_args: dict, second_node_args: dict):
+    """A Ray cluster of two nodes on this machine (ray.cluster_utils.Cluster: a head and a second
+    raylet), this process its driver, the repository importable in its workers."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args=head_node_args)
+    try:
+        cluster.add_node(**second_node_args)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
+        try:
+            yield cluster
+        finally:
+            ray.shutdown()
+    finally:
+        cluster.shutdown()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from rlscale.config_loading import load_config
-from tests.integration.helpers import REPO_ROOT
+from tests.integration.helpers import loopback_ray_cluster
 
 ray = pytest.importorskip("ray")
 
@@ -17,17 +17,8 @@ ray = pytest.importorskip("ray")
 def two_nodes():
     """A head and a second node of 3 logical CPUs each: 4 one-CPU workers do not fit on one node,
     and a node holds one bundle of 2 workers (so packing 4 single workers would put 3 on one)."""
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
-    cluster.add_node(num_cpus=3)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
-    try:
+    with loopback_ray_cluster({"num_cpus": 3, "include_dashboard": False}, {"num_cpus": 3}) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def make_group(cluster, tensor_parallel: int, strategy: str):

@@ -19,7 +19,7 @@ import pytest
 
 from rlscale.config_loading import load_config
 from rlscale.errors import UserError
-from tests.integration.helpers import REPO_ROOT, TINY_RUN, cli_env, train_rows
+from tests.integration.helpers import TINY_RUN, cli_env, loopback_ray_cluster, train_rows
 
 ray = pytest.importorskip("ray")
 
@@ -29,23 +29,18 @@ NODE_CPUS = 2
 @pytest.fixture(scope="module")
 def two_nodes():
     """A head and a second node of NODE_CPUS logical CPUs each, each with a resource of its own."""
-    from ray.cluster_utils import Cluster
-
-    try:
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": NODE_CPUS, "resources": {"head_node": 1}, "include_dashboard": False,
+    head = {"num_cpus": NODE_CPUS, "resources": {"head_node": 1}, "include_dashboard": False,
             # a lost node is counted dead after ~3 s of missed health checks, not Ray's ~15 s
-            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
+            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}}
+    try:
+        cluster = loopback_ray_cluster(head, {"num_cpus": NODE_CPUS, "resources": {"second_node": 1}})
+        started = cluster.__enter__()
     except Exception as exc:  # noqa: BLE001 - only a Ray that cannot start at all skips
         pytest.skip(f"Ray cannot start here: {exc}")
-    cluster.add_node(num_cpus=NODE_CPUS, resources={"second_node": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
     try:
-        yield cluster
+        yield started
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        cluster.__exit__(None, None, None)
 
 
 def group_config(cluster, *overrides: str):
