@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -114,7 +115,11 @@ def evaluate_cmd(
         verdict = verify_step_dir(checkpoint)
         if not verdict.ok:
             raise UserError(f"checkpoint {str(checkpoint)!r} is not usable: {verdict.reason}")
-        model = str(checkpoint / "policy")
+        from rlscale.ckpt.tools import loadable_policy_dir
+
+        # a sharded step's policy/ is the ranks' rows: exported for the evaluation, removed after
+        scratch = tempfile.TemporaryDirectory(prefix="rlscale-eval-")
+        model = str(loadable_policy_dir(checkpoint, Path(scratch.name) / "policy"))
     updates = {"loss": cfg.loss.model_copy(update={"reference_policy_kl_penalty": 0.0})}
     if model is not None:
         updates["policy"] = cfg.policy.model_copy(update={"model_name": model, "tokenizer_name": None})

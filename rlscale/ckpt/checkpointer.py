@@ -8,8 +8,9 @@
 A save is snapshot (every worker copies its state into host staging buffers) -> persist (the
 workers' writer threads write and fsync their files into tmp_step_N/) -> commit (here, in a
 background thread that polls the workers until their writers are done: small controller files,
-the policy's weight index, then manifest.json with sizes and checksums, fsync, rename to
-step_N/, fsync of the checkpoint dir, retention). The workers' methods it calls:
+the policy's weight index, then manifest.json with sizes and checksums (and, for a sharded save,
+every tensor's byte ranges: rlscale/ckpt/ranges.py), fsync, rename to step_N/, fsync of the
+checkpoint dir, retention). The workers' methods it calls:
 checkpoint_snapshot, checkpoint_poll, checkpoint_abort, load_checkpoint_shard.
 At most one save is in flight: a save waits for the previous commit and reports how long.
 """
@@ -25,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlscale.ckpt import claim, layout
+from rlscale.ckpt import claim, layout, ranges
 from rlscale.ckpt.faults import maybe_fault
 from rlscale.ckpt.retention import steps_to_delete
 from rlscale.ckpt.tensorfile import file_checksum, write_file
@@ -137,9 +138,10 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             _reraise(step, exc)
         maybe_fault("snapshot.after")
-        index = {"metadata": {"total_size": sum(s["weight_bytes"] for s in snaps)},
-                 "weight_map": dict(sorted(kv for s in snaps for kv in s["weight_map"].items()))}
-        small[WEIGHT_INDEX] = json.dumps(index, indent=1).encode()
+        weight_map = dict(sorted(kv for s in snaps for kv in s["weight_map"].items()))
+        if weight_map:  # a sharded save's policy/ is not a Hugging Face model dir: no index
+            index = {"metadata": {"total_size": sum(s["weight_bytes"] for s in snaps)}, "weight_map": weight_map}
+            small[WEIGHT_INDEX] = json.dumps(index, indent=1).encode()
         report = SaveReport(step=step, path=str(self.root / layout.step_dir_name(step)),
                             bytes=sum(s["bytes"] for s in snaps) + sum(map(len, small.values())),
                             wait_s=wait_s, stall_s=time.perf_counter() - held,
@@ -164,10 +166,12 @@ class Checkpointer:
                 group.run_all("checkpoint_abort")
                 raise
             files = {rel: entry for result in results for rel, entry in result["files"].items()}
+            # the sharded layout's table of byte ranges (rlscale/ckpt/ranges.py); none in format 2
+            tensors = ranges.table([r for result in results for r in result.get("ranges", [])])
             for rel, data in small.items():
                 files[rel] = list(write_file(str(tmp / rel), data))
             maybe_fault("commit.before_manifest")
-            manifest = {"format": 2, "step": report.step, "world_size": group.world_size,
+            manifest = {"format": 3 if tensors else 2, "step": report.step, "world_size": group.world_size,
                         "bytes": sum(size for size, _ in files.values()),
                         "files": {rel: files[rel][0] for rel in sorted(files)},
                         "checksums": {rel: files[rel][1] for rel in sorted(files)},
@@ -175,6 +179,8 @@ class Checkpointer:
                         "metrics": {k: v if not isinstance(v, float) or math.isfinite(v) else None
                                     for k, v in metrics.items()},
                         "config_digest": self.config_digest, "created_unix": time.time()}
+            if tensors:
+                manifest["tensors"] = tensors
             write_file(str(tmp / layout.MANIFEST), json.dumps(manifest, indent=1).encode())
             for sub in sorted({(tmp / rel).parent for rel in files}, reverse=True):
                 layout.fsync_path(sub)  # the new names inside tmp/ are durable before the rename

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from rlscale.ckpt import tensorfile
+from rlscale.ckpt import ranges, tensorfile
 from rlscale.ckpt.faults import maybe_fault
 
 
@@ -39,6 +39,12 @@ class FileSpec:
     tensors: dict[str, torch.Tensor] | None = None
     data: bytes | None = None
     metadata: dict[str, str] | None = None
+    # sharded layout (rlscale/ckpt/ranges.py): name -> (first row in the whole tensor, its shape);
+    # the file's ranges and their checksums are then returned with its size
+    rows: dict[str, tuple[int, tuple[int, ...]]] | None = None
+
+    def byte_ranges(self) -> list[dict]:
+        return ranges.file_ranges(self.rel, self.plan, self.rows) if self.rows is not None else []
 
     @cached_property
     def plan(self) -> tensorfile.FilePlan:
@@ -107,9 +113,10 @@ class RankEngine:
                 if spec.rel in self._buffers:
                     buffer = self._buffers[spec.rel]
                     tensorfile.fill_views(self._destinations(spec.rel, spec.plan, buffer), spec.plan, spec.sources)
-                    staged.append((_write_buffer, path, spec.rel, buffer))
+                    staged.append((_write_buffer, path, spec.rel, buffer, spec.byte_ranges()))
                 else:  # over the budget: written now, through a buffer freed when written
-                    direct.append(self._pool.submit(_write_direct, path, spec.rel, spec.plan, spec.tensors))
+                    direct.append(self._pool.submit(_write_direct, path, spec.rel, spec.plan, spec.tensors,
+                                                    spec.byte_ranges()))
         ready = None
         if stream is not None:
             self._record_on(stream, tensor_files)
@@ -176,15 +183,18 @@ class RankEngine:
             self._targets.clear()
 
     def finish(self) -> dict:
-        """Wait for this save's writers; returns {"files": {rel: [size, checksum]}, "persist_s"}.
+        """Wait for this save's writers; returns {"files": {rel: [size, checksum]}, "ranges": the
+        sharded layout's ranges with their checksums (none otherwise), "persist_s"}.
         Raises the first writer error, after every writer has stopped."""
         pending, self._pending = self._pending, []
         wait(pending)
         for future in pending:
             if future.exception() is not None:
                 raise future.exception()
-        files = {rel: [size, checksum] for rel, size, checksum in (f.result() for f in pending)}
-        return {"files": files, "persist_s": time.perf_counter() - self._started}
+        results = [f.result() for f in pending]
+        return {"files": {rel: [size, checksum] for rel, size, checksum, _ in results},
+                "ranges": [r for *_, file_ranges in results for r in file_ranges],
+                "persist_s": time.perf_counter() - self._started}
 
     def poll(self) -> dict | None:
         """finish()'s result once every writer is done (the same result until the next snapshot),
@@ -252,24 +262,27 @@ def _yield_cpu() -> None:
         pass
 
 
-def _write_buffer(path: str, rel: str, buffer: torch.Tensor, ready) -> tuple[str, int, str]:
+def _write_buffer(path: str, rel: str, buffer: torch.Tensor, file_ranges: list[dict], ready) -> tuple:
     if ready is not None:
         ready.synchronize()  # the device-to-host copies into the buffer are complete
-    return _written(rel, tensorfile.write_file(path, buffer))
+    return _written(rel, buffer, file_ranges, tensorfile.write_file(path, buffer))
 
 
-def _write_direct(path: str, rel: str, plan: tensorfile.FilePlan, tensors: dict) -> tuple[str, int, str]:
+def _write_direct(path: str, rel: str, plan: tensorfile.FilePlan, tensors: dict, file_ranges: list[dict]) -> tuple:
     buffer = tensorfile.host_buffer(plan.size, pinned=False)
     tensorfile.fill(buffer, plan, tensors)
     if any(t.is_cuda for t in tensors.values()):
         torch.cuda.current_stream().synchronize()
-    return _written(rel, tensorfile.write_file(path, buffer))
+    return _written(rel, buffer, file_ranges, tensorfile.write_file(path, buffer))
 
 
-def _write_bytes(path: str, rel: str, data: bytes, _ready=None) -> tuple[str, int, str]:
-    return _written(rel, tensorfile.write_file(path, data))
+def _write_bytes(path: str, rel: str, data: bytes, _ready=None) -> tuple:
+    return _written(rel, data, [], tensorfile.write_file(path, data))
 
 
-def _written(rel: str, size_and_checksum: tuple[int, str]) -> tuple[str, int, str]:
+def _written(rel: str, buffer, file_ranges: list[dict], size_and_checksum: tuple[int, str]) -> tuple:
+    """(rel, size, checksum, ranges with their checksums): the ranges are hashed from the buffer
+    just written (memory speed, beside the file's own checksum)."""
+    sums = tensorfile.range_checksums(buffer, [(r["offset"], r["offset"] + r["length"]) for r in file_ranges])
     maybe_fault("persist.after_file")
-    return (rel, *size_and_checksum)
+    return (rel, *size_and_checksum, [{**r, "checksum": c} for r, c in zip(file_ranges, sums)])

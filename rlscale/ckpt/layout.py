@@ -5,10 +5,14 @@
   dropped_step_N/      a step retention is deleting (renamed aside first); removed at start
   step_N/              committed: renamed from tmp_step_N/ after its manifest was fsynced
     manifest.json      written last: step, file sizes and checksums, metrics, config digest
+                       (format 3, a sharded save: every tensor's byte ranges, rlscale/ckpt/ranges.py)
     trainer_state.json controller state: step, loader position, eval history
     config.yaml        the run's resolved config
-    policy/            Hugging Face model directory (safetensors shards + index, config, tokenizer)
-    optim/             AdamW moments by parameter name, param groups and LR scheduler
+    policy/            weights: a Hugging Face model directory (safetensors shards + index, config,
+                       tokenizer) when not sharded; each rank's rows of them when sharded
+                       (`rlscale ckpt export` makes a Hugging Face directory of those)
+    optim/             AdamW moments by parameter name (whole, or each rank's rows), param groups
+                       and LR scheduler
     rng/               each rank's RNG states
 (see rlscale/workers/state_io.py for the files inside policy/, optim/ and rng/)
 """
@@ -75,6 +79,7 @@ def _manifest_shaped(manifest) -> bool:
 
     return (isinstance(manifest, dict) and sizes(manifest.get("files", {}))
             and strings(manifest.get("checksums", {})) and isinstance(manifest.get("metrics", {}), dict)
+            and isinstance(manifest.get("tensors", {}), dict)
             and type(manifest.get("step", 0)) is int)
 
 

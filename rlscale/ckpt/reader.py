@@ -1,16 +1,20 @@
-"""Parallel reads of safetensors files straight into their destination tensors.
+"""Parallel reads of safetensors files, or of byte ranges of them, into their destination tensors.
 
 Each reader thread takes whole files. A file is read front to back: the header, then every
 tensor's bytes into the tensor the caller chose (the model's own parameter when dtype and shape
 match, so weights land in place with no extra copy). A destination in host memory is read into
 directly; one on a GPU is filled through two pinned chunk buffers per reader, so the copy of one
 chunk to the device overlaps the read of the next. file reads and device copies release the GIL.
+
+read_pieces reads the sharded layout's byte ranges (rlscale/ckpt/ranges.py): only the rows a
+rank will hold, straight into its tensors where it can, and counts the bytes it read.
 """
 
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -122,3 +126,58 @@ def read_files(paths: dict[str, tuple[str, int]], readers: int, checksums: dict[
     for future in futures:
         if future.exception() is not None:
             raise future.exception()
+
+
+def read_pieces(pieces: list, readers: int) -> int:
+    """Read ranged pieces (rlscale.ckpt.ranges.Piece), one reader thread per file at a time, each
+    file's pieces in offset order with os.preadv. A piece read straight into its destination when
+    it can be (host memory, contiguous, same dtype, nothing to verify); through a host buffer
+    otherwise. Returns the bytes read; raises the first error (a checksum that does not match
+    names the file) after every reader has stopped."""
+    by_file: dict[str, list] = {}
+    for piece in pieces:
+        by_file.setdefault(piece.path, []).append(piece)
+
+    def read_file_pieces(path: str) -> int:
+        done = 0
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for piece in sorted(by_file[path], key=lambda p: p.offset):
+                done += _read_piece(fd, piece)
+        finally:
+            os.close(fd)
+        return done
+
+    with ThreadPoolExecutor(max(1, readers), thread_name_prefix="ckpt-reader") as pool:
+        order = sorted(by_file, key=lambda path: -sum(p.length for p in by_file[path]))
+        futures = [pool.submit(read_file_pieces, path) for path in order]
+        wait(futures)
+    for future in futures:
+        if future.exception() is not None:
+            raise future.exception()
+    if any(p.dest.is_cuda for p in pieces):
+        torch.cuda.synchronize()
+    return sum(f.result() for f in futures)
+
+
+def _read_piece(fd: int, piece) -> int:
+    dest = piece.dest
+    direct = (piece.checksum is None and not dest.is_cuda and dest.dtype == piece.dtype and dest.is_contiguous())
+    buffer = dest.reshape(-1).view(torch.uint8) if direct else tensorfile.host_buffer(piece.length, pinned=False)
+    view = memoryview(buffer.numpy())
+    if len(view) != piece.length:
+        raise ValueError(f"{piece.path}: a range of {piece.length} bytes for {len(view)} bytes of tensor")
+    got = 0
+    while got < piece.length:
+        n = os.preadv(fd, [view[got:]], piece.offset + got)
+        if not n:
+            raise ValueError(f"{piece.path}: file ends before byte {piece.offset + piece.length}")
+        got += n
+    if piece.checksum is not None and tensorfile.checksum_of(view) != piece.checksum:
+        where = "/".join(Path(piece.path).parts[-2:])  # policy/... or optim/...
+        raise ValueError(f"{where}: bytes {piece.offset}..{piece.offset + piece.length} "
+                         f"do not match the manifest's checksum {piece.checksum}")
+    if not direct:
+        saved = buffer.view(piece.dtype).view(-1, *piece.row_shape)
+        dest.copy_(saved[piece.skip_rows:piece.skip_rows + dest.shape[0]])
+    return piece.length

@@ -1,9 +1,11 @@
-"""FSDP2-sharded (DTensor) tensors in checkpoints: files always hold whole tensors, by name.
+"""FSDP2-sharded (DTensor) tensors in checkpoints: the rows a rank holds, never a gathered copy.
 
-Saving gathers each sharded tensor (every rank, in the same order: it is a collective) and only
-the rank that writes that name keeps the whole tensor. Loading reads whole tensors and keeps this
-rank's slice. So any number of workers, sharded or not, loads any checkpoint, and `policy/`
-stays a plain Hugging Face model directory.
+A DTensor on a mesh of several ranks is saved as this rank's rows with their place in the whole
+tensor (held_rows; the layout is rlscale/ckpt/ranges.py), so a save runs no collective. A DTensor
+on a mesh of one rank is its whole local tensor (local_view), saved and loaded like an unsharded
+one in the layout where files hold whole tensors by name (policy/ a Hugging Face model dir).
+Loading that layout into sharded workers reads whole tensors and keeps this rank's slice
+(assign, shard_like).
 """
 
 from __future__ import annotations
@@ -29,12 +31,20 @@ def storage_key(tensor: torch.Tensor) -> tuple:
     return (local.device, local.data_ptr())
 
 
-def whole(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
-    """The whole tensor where this rank keeps it (a sharded one is gathered either way)."""
-    if is_sharded(tensor):
-        full = tensor.full_tensor()
-        return full if keep else None
-    return tensor if keep else None
+def held_rows(tensor) -> tuple[torch.Tensor, int]:
+    """This rank's rows of a DTensor sharded on dim 0 over a 1-D mesh (FSDP2), and the index of
+    the first one in the whole tensor. Other placements (tensor parallel, HSDP) are refused."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if tensor.device_mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),):
+        raise NotImplementedError(f"checkpoints of DTensors placed {tensor.placements} on a "
+                                  f"{tensor.device_mesh.ndim}-D mesh (only FSDP2's Shard(0))")
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    local = tensor.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise RuntimeError(f"local shard {tuple(local.shape)} is not the {tuple(shape)} its placement gives")
+    return local, (offset[0] if shape[0] else 0)
 
 
 def local_part(like, full: torch.Tensor) -> torch.Tensor:
@@ -59,3 +69,11 @@ def shard_like(param, full: torch.Tensor):
 
     return DTensor.from_local(local_part(param, full).clone(), param.device_mesh, param.placements,
                               shape=param.shape, stride=param.stride())
+
+
+def shard_from_local(param, local: torch.Tensor):
+    """A DTensor laid out like `param` whose local rows are `local` (an optimizer moment read in
+    place, rows and all, by the sharded layout's ranged load)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())

@@ -175,6 +175,17 @@ def write_file(path: str, buffer: torch.Tensor | bytes) -> tuple[int, str]:
     return len(view), f"{CHECKSUM}:{hasher.hexdigest()}"
 
 
+def range_checksums(buffer: torch.Tensor | bytes, ranges: list[tuple[int, int]]) -> list[str]:
+    """The checksum of each byte range [start, end) of a file's buffer (the sharded layout's
+    per-range checksums, so a rank that reads only some ranges can verify what it read)."""
+    view = memoryview(buffer.numpy()) if isinstance(buffer, torch.Tensor) else memoryview(buffer)
+    return [checksum_of(view[start:end]) for start, end in ranges]
+
+
+def checksum_of(data) -> str:
+    return f"{CHECKSUM}:{xxhash.xxh3_64_hexdigest(data)}"
+
+
 def read_file(path: str, size: int, pinned: bool = False, checksum: bool = False) -> tuple[torch.Tensor, str | None]:
     """Read a whole file of known size into a fresh host buffer; optionally hash it on the way."""
     buffer = host_buffer(size, pinned)

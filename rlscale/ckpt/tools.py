@@ -1,4 +1,11 @@
-"""What `rlscale ckpt list / verify / export` do, as plain functions."""
+"""What `rlscale ckpt list / verify / export` do, as plain functions.
+
+Export of a step whose policy/ is a Hugging Face model dir (an unsharded save) copies it, casting
+the weights to the model's dtype one file at a time. A sharded save's policy/ holds each rank's
+rows (rlscale/ckpt/ranges.py): its export assembles one whole tensor at a time from its byte
+ranges (checksums checked), casts it, and streams it into Hugging Face safetensors shards of at
+most EXPORT_SHARD_BYTES, so no more than one tensor of the model is ever in memory.
+"""
 
 from __future__ import annotations
 
@@ -24,17 +31,20 @@ def list_steps(root: Path) -> list[dict]:
         rows.append({"step": step, "path": str(path), "state": "intact" if verdict.ok else "damaged",
                      "reason": verdict.reason, "bytes": manifest.get("bytes"),
                      "world_size": manifest.get("world_size"), "created_unix": manifest.get("created_unix"),
+                     # sharded: each rank's rows (policy/ is no HF dir: export it); whole: tensors by name
+                     "layout": "sharded" if "tensors" in manifest else "whole",
                      "metrics": manifest.get("metrics", {})})
     for path in layout.stale_tmp_dirs(root):
         rows.append({"step": int(path.name.rsplit("_", 1)[1]), "path": str(path), "state": "uncommitted",
                      "reason": ("being deleted by retention" if path.name.startswith("dropped_") else "being written")
                                + ", or left by a crash (removed at the next start)", "bytes": None,
-                     "world_size": None, "created_unix": None, "metrics": {}})
+                     "world_size": None, "created_unix": None, "layout": None, "metrics": {}})
     return sorted(rows, key=lambda row: (row["step"], row["state"] == "uncommitted"))
 
 
 def export_policy(step_dir: Path, out: Path) -> Path:
-    """Copy a verified step's policy/ (a Hugging Face model dir) to `out`, which must be new or empty."""
+    """A verified step's policy as a Hugging Face model dir in `out`, which must be new or empty:
+    policy/ copied (an unsharded save), or its weights assembled from the ranks' rows (sharded)."""
     step_dir, out = Path(step_dir), Path(out)
     if not step_dir.is_dir():
         raise UserError(f"checkpoint {str(step_dir)!r} is not a directory")
@@ -48,6 +58,11 @@ def export_policy(step_dir: Path, out: Path) -> Path:
     policy_files = [rel for rel in manifest["files"] if rel.startswith(prefix)]
     if not any(rel.endswith(".safetensors") for rel in policy_files):
         raise UserError(f"checkpoint {str(step_dir)!r} holds no policy weights")
+    weights = None
+    if "tensors" in manifest:  # the sharded layout: weights are assembled, the rest copied
+        weights = {name: entry for name, entry in manifest["tensors"].items()
+                   if entry["ranges"] and entry["ranges"][0]["file"].startswith(prefix)}
+        policy_files = [rel for rel in policy_files if not rel.endswith(".safetensors")]
     # Copied under a temporary name and fsync'd, then moved into place, so a failed export (a full
     # disk) never leaves a model directory that looks whole. A new `out` is staged beside it and
     # renamed; an existing empty one (the current directory, a mount point, a symlink to a
@@ -59,6 +74,8 @@ def export_policy(step_dir: Path, out: Path) -> Path:
     try:
         staging.mkdir(parents=True)
         dtype = _model_dtype(step_dir / prefix / "config.json")
+        if weights is not None:
+            _write_hf_shards(step_dir, weights, staging, dtype)
         for rel in policy_files:
             target = staging / rel[len(prefix):]
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -75,8 +92,74 @@ def export_policy(step_dir: Path, out: Path) -> Path:
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
         raise UserError(f"export to {str(out)!r} failed: {exc.strerror or exc}") from None
+    except ValueError as exc:  # a range whose checksum does not match
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UserError(f"checkpoint {str(step_dir)!r} is damaged: {exc}") from None
     return out
 
+
+
+EXPORT_SHARD_BYTES = 5 << 30  # as transformers' save_pretrained (max_shard_size="5GB")
+
+
+def loadable_policy_dir(step_dir: Path, scratch: Path) -> Path:
+    """A directory `from_pretrained` loads the step's policy from: its policy/ (today's layout, a
+    one-worker save), or, for a sharded step (policy/ holds the ranks' rows), an export into
+    `scratch` (a new or empty directory the caller removes)."""
+    step_dir = Path(step_dir)
+    if "tensors" not in layout.read_manifest(step_dir):
+        return step_dir / "policy"
+    return export_policy(step_dir, scratch)
+
+
+def _write_hf_shards(step_dir: Path, weights: dict[str, dict], out: Path, dtype) -> None:
+    """Hugging Face safetensors shards (+ the index when there are several) of a sharded save's
+    weights, each floating tensor in `dtype`, written one tensor at a time and fsynced."""
+    import torch
+
+    from rlscale.ckpt import ranges, tensorfile
+    from rlscale.ckpt.reader import read_pieces
+
+    def exported(entry):
+        saved = tensorfile.CODE_DTYPES[entry["dtype"]]
+        return dtype if dtype is not None and saved.is_floating_point and saved != dtype else saved
+
+    specs = [(name, exported(entry), tuple(entry["shape"])) for name, entry in weights.items()]
+    groups, size = [[]], 0
+    for spec in specs:
+        nbytes = spec[1].itemsize * ranges.rows_of(spec[2]) * _row_numel(spec[2])
+        if groups[-1] and size + nbytes > EXPORT_SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(spec)
+        size += nbytes
+    names = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    weight_map, total = {}, 0
+    for file_name, group in zip(names, groups):
+        plan = tensorfile.plan_file(group, {"format": "pt"})
+        with open(out / file_name, "wb") as handle:
+            handle.write(plan.header)
+            for slot in plan.slots:  # one whole tensor in memory at a time
+                entry = weights[slot.name]
+                saved = torch.empty(tuple(entry["shape"]), dtype=tensorfile.CODE_DTYPES[entry["dtype"]])
+                read_pieces(ranges.plan_reads(entry, step_dir, 0, ranges.rows_of(saved.shape), saved, True), 1)
+                handle.write(memoryview(tensorfile.as_bytes(saved.to(slot.dtype)).numpy()))
+                weight_map[slot.name] = file_name
+                del saved
+            handle.flush()
+            os.fsync(handle.fileno())
+        total += plan.size - len(plan.header)
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
+def _row_numel(shape) -> int:
+    count = 1
+    for dim in shape[1:]:
+        count *= dim
+    return count
 
 
 def _model_dtype(config_json: Path):

@@ -1,16 +1,21 @@
 """A policy worker's training state as checkpoint files, without pickle.
 
-Layout inside a step directory (rank r of W, writer j of `writers_per_rank`):
+Layout inside a step directory (rank r of W, writer j of `writers_per_rank`), for workers that
+are not sharded (one worker, or replicas):
   policy/model-r{r}-{j}.safetensors  weights by their Hugging Face names (+ config, tokenizer and
                                      the index the controller writes: a Hugging Face model dir)
   optim/optim-r{r}-{j}.safetensors   AdamW moments as "<param name>::<key>"; optim/meta.json holds
                                      param groups (by name) and the LR scheduler
   rng/rank{r}.safetensors / .json    torch (CPU, CUDA) and Python RNG states of rank r
-
 Saving is spread over ranks: rank r writes the parameters in its contiguous, byte-balanced slice
-of the parameter list (weights and moments together); FSDP2-sharded tensors are gathered for it
-(see rlscale/ckpt/sharded.py). Files hold whole tensors keyed by name, so any worker count,
-sharded or not, loads any checkpoint: each rank reads every weight and moment file.
+of the parameter list (weights and moments together). Files hold whole tensors keyed by name;
+each loading rank reads every weight and moment file (and keeps its slice when sharded).
+
+FSDP2-sharded workers (several ranks) write the sharded layout instead (rlscale/ckpt/ranges.py):
+policy/shard-r{r}-{j}.safetensors and optim/shard-r{r}-{j}.safetensors hold rank r's rows of
+every weight and moment, nothing is gathered, and the manifest maps each tensor to its byte
+ranges; a loading rank, sharded or not, reads only the ranges that overlap the rows it holds.
+optim/meta.json, rng/ and policy/'s config and tokenizer are the same in both layouts.
 
 A worker that is not sharded saves the same tensors, updated in place, save after save: it keeps
 the weight and moment files' FileSpecs while state_signature is unchanged, so a warm snapshot
@@ -30,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from rlscale.ckpt import sharded
+from rlscale.ckpt import ranges, sharded, tensorfile
 from rlscale.ckpt.engine import FileSpec, RankEngine
-from rlscale.ckpt.reader import read_files
+from rlscale.ckpt.reader import read_files, read_pieces
 from rlscale.errors import UserError
 
 POLICY_DIR, OPTIM_DIR, RNG_DIR = "policy", "optim", "rng"
@@ -107,17 +112,14 @@ def tensor_files(worker, writers: int) -> TensorFiles:
     weights = model_tensors(worker.model)
     name_of = param_names(worker.model)
     moments = optimizer_moments(worker.optimizer, name_of)
+    if any(map(sharded.is_sharded, [*weights.values(), *moments.values()])):
+        return sharded_tensor_files(rank, world, weights, moments, writers, name_of)
     by_param: dict[str, dict[str, torch.Tensor]] = {}
     for flat, tensor in moments.items():
         by_param.setdefault(flat.split("::")[0], {})[flat] = tensor
     names = list(weights)
     sizes = [_nbytes(weights[n]) + sum(_nbytes(t) for t in by_param.get(n, {}).values()) for n in names]
     mine = split_by_bytes(sizes, world)[rank]
-    owned = {names[i] for i in mine}
-    for name in names:  # same order on every rank: gathering a sharded tensor is a collective
-        weights[name] = sharded.whole(weights[name], name in owned)
-        for flat in sorted(by_param.get(name, {})):
-            by_param[name][flat] = sharded.whole(by_param[name][flat], name in owned)
     files, weight_map = [], {}
     for j, part in enumerate(split_by_bytes([sizes[i] for i in mine], writers)):
         chosen = [names[mine[i]] for i in part]
@@ -130,6 +132,37 @@ def tensor_files(worker, writers: int) -> TensorFiles:
         if optim:
             files.append(FileSpec(f"{OPTIM_DIR}/optim-r{rank:03d}-{j:03d}.safetensors", optim))
     return TensorFiles(files, weight_map, sum(_nbytes(weights[n]) for n in weight_map), name_of)
+
+
+def sharded_tensor_files(rank: int, world: int, weights: dict, moments: dict, writers: int,
+                         name_of: dict[int, str]) -> TensorFiles:
+    """The sharded layout's files of this rank: its rows of every sharded weight and moment, and
+    its byte-balanced share of the tensors no rank shards (AdamW's step counters), in `writers`
+    weight files and `writers` moment files. No collective: nothing is gathered."""
+    held: dict[str, dict[str, tuple]] = {POLICY_DIR: {}, OPTIM_DIR: {}}  # name -> (local, first row, shape)
+    whole = []
+    for kind, tensors in ((POLICY_DIR, weights), (OPTIM_DIR, dict(sorted(moments.items())))):
+        for name, tensor in tensors.items():
+            if sharded.is_sharded(tensor):
+                local, first = sharded.held_rows(tensor)
+                if local.numel():  # FSDP2 leaves the last ranks of a short tensor empty
+                    held[kind][name] = (local.detach(), first, tuple(tensor.shape))
+            else:
+                whole.append((kind, name, tensor.detach()))
+    for i in split_by_bytes([_nbytes(t) for _, _, t in whole], world)[rank]:
+        kind, name, tensor = whole[i]
+        held[kind][name] = (tensor, 0, tuple(tensor.shape))
+    files = []
+    for kind, prefix in ((POLICY_DIR, "policy/shard"), (OPTIM_DIR, "optim/shard")):
+        names = list(held[kind])
+        for j, part in enumerate(split_by_bytes([_nbytes(held[kind][n][0]) for n in names], writers)):
+            chosen = [names[i] for i in part]
+            if chosen:
+                files.append(FileSpec(f"{prefix}-r{rank:03d}-{j:03d}.safetensors",
+                                      {n: held[kind][n][0] for n in chosen},
+                                      rows={n: held[kind][n][1:] for n in chosen}))
+    weight_bytes = sum(_nbytes(t) for t, _, _ in held[POLICY_DIR].values())
+    return TensorFiles(files, {}, weight_bytes, name_of)
 
 
 def small_files(worker, name_of: dict[int, str]) -> list[FileSpec]:
@@ -220,11 +253,14 @@ def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
-def load_worker_state(worker, step_dir: str | Path, manifest: dict, verify_checksums: bool, readers: int) -> None:
+def load_worker_state(worker, step_dir: str | Path, manifest: dict, verify_checksums: bool, readers: int) -> dict:
     """Restore weights, optimizer, scheduler and this rank's RNG from a verified step directory.
     Files are read in parallel; weights land in the model's own tensors, moments on their
-    parameter's device (into the optimizer's existing state tensors when it has them)."""
+    parameter's device (into the optimizer's existing state tensors when it has them).
+    Returns {"bytes_read": ...} for the sharded layout (its weights and moments)."""
     step_dir = Path(step_dir)
+    if "tensors" in manifest:
+        return _load_ranged(worker, step_dir, manifest, verify_checksums, readers)
     files = manifest["files"]
     targets = model_tensors(worker.model)
     params = dict(worker.model.named_parameters())
@@ -302,6 +338,77 @@ def load_worker_state(worker, step_dir: str | Path, manifest: dict, verify_check
         set_rng_state(rng, json.loads((step_dir / f"{RNG_DIR}/rank{worker.rank}.json").read_text()))
 
 
+def _load_ranged(worker, step_dir: Path, manifest: dict, verify: bool, readers: int) -> dict:
+    """Load the sharded layout: this rank reads, of every weight and moment, only the saved
+    ranges that overlap the rows it holds (all rows when it is not sharded), straight into the
+    model's tensors and the optimizer's state where they exist; with `verify` each range read is
+    checked against its checksum. The RNG file and meta.json are read whole."""
+    table = manifest["tensors"]
+    targets = model_tensors(worker.model)
+    params = dict(worker.model.named_parameters())
+    name_of = param_names(worker.model)
+    state = {f"{name_of[id(p)]}::{key}": value for p, st in worker.optimizer.state.items()
+             for key, value in st.items() if isinstance(value, torch.Tensor)}
+    pieces, after, moments = [], [], {}
+
+    def fill(entry: dict, tensor) -> None:
+        """Plan the reads of this rank's rows of `tensor` (a DTensor's local rows, or all)."""
+        if sharded.is_sharded(tensor):
+            local, start = sharded.held_rows(tensor)
+        else:
+            local, start = tensor, 0
+        rows = ranges.rows_of(tuple(local.shape))
+        dest = local if local.is_contiguous() else torch.empty_like(local, memory_format=torch.contiguous_format)
+        if dest is not local:
+            after.append((local, dest))
+        pieces.extend(ranges.plan_reads(entry, step_dir, start, start + rows, dest.detach(), verify))
+
+    try:
+        for name in table:
+            if "::" not in name and name not in targets:
+                raise ModelMismatch(f"the checkpoint holds {name!r}, which the model does not have")
+        for name, target in targets.items():
+            entry = table.get(name)
+            if entry is None:
+                raise ModelMismatch(f"no weights for {name}")
+            if tuple(target.shape) != tuple(entry["shape"]):
+                raise ModelMismatch(f"size mismatch for {name}: {entry['shape']} in the checkpoint, "
+                                    f"{list(target.shape)} in the model")
+            fill(entry, target)
+        for flat, entry in table.items():
+            if "::" not in flat:
+                continue
+            have, param = state.get(flat), params.get(flat.split("::")[0])
+            shape, dtype = tuple(entry["shape"]), tensorfile.CODE_DTYPES[entry["dtype"]]
+            if have is not None and tuple(have.shape) == shape:
+                moments[flat] = have  # read into the optimizer's own state (its local rows)
+            elif param is not None and sharded.is_sharded(param) and tuple(param.shape) == shape:
+                local = torch.empty(sharded.held_rows(param)[0].shape, dtype=dtype, device=param.device)
+                moments[flat] = sharded.shard_from_local(param, local)
+            else:  # AdamW keeps its `step` counters on the host (unless capturable/fused)
+                device = "cpu" if flat.endswith("::step") or param is None else param.device
+                moments[flat] = torch.empty(shape, dtype=dtype, device=device)
+            fill(entry, moments[flat])
+        bytes_read = read_pieces(pieces, readers)
+    except ModelMismatch as exc:
+        raise UserError(f"checkpoint {str(step_dir)!r} does not match the model ({exc}); resume it with its "
+                        "own policy.model_name, or use a new logger.log_dir") from None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"checkpoint {str(step_dir)!r} cannot be loaded: {exc}") from None
+    with torch.no_grad():
+        for local, dest in after:
+            local.copy_(dest)
+    _load_optimizer(worker, moments, json.loads((step_dir / OPTIM_META).read_text()), step_dir)
+    rng_file = f"{RNG_DIR}/rank{worker.rank}.safetensors"
+    if rng_file in manifest["files"]:  # a rank that did not exist at save time keeps its seeded RNG
+        checksums = manifest.get("checksums", {}) if verify else None
+        rng = {}
+        read_files({rng_file: (str(step_dir / rng_file), manifest["files"][rng_file])}, 1, checksums,
+                   lambda rel, slot: torch.empty(slot.shape, dtype=slot.dtype), lambda rel, t: rng.update(t), False)
+        set_rng_state(rng, json.loads((step_dir / f"{RNG_DIR}/rank{worker.rank}.json").read_text()))
+    return {"bytes_read": bytes_read}
+
+
 def _load_optimizer(worker, moments: dict[str, torch.Tensor], meta: dict, step_dir: Path) -> None:
     groups = meta["param_groups"]
     names = [n for g in groups for n in g["params"]]
@@ -373,7 +480,7 @@ class CheckpointableWorker:
     def checkpoint_abort(self) -> None:
         self._ckpt_engine().abort()
 
-    def load_checkpoint_shard(self, directory: str, manifest: dict, verify_checksums: bool = False) -> None:
+    def load_checkpoint_shard(self, directory: str, manifest: dict, verify_checksums: bool = False) -> dict | None:
         self._ckpt_engine().fence()  # loading writes into the tensors in place
         self._ckpt_tensors = None  # may hold tensors the load replaces: let them go
-        load_worker_state(self, directory, manifest, verify_checksums, self.ckpt_settings.writers_per_rank)
+        return load_worker_state(self, directory, manifest, verify_checksums, self.ckpt_settings.writers_per_rank)

@@ -1,5 +1,6 @@
-"""FSDP2-sharded workers (two gloo ranks on CPU) resume a plain worker's checkpoint, and their own
-checkpoint loads into a plain worker and into transformers: files hold whole tensors by name."""
+"""FSDP2-sharded workers (two gloo ranks on CPU) resume a plain worker's checkpoint (whole tensors
+by name), and their own checkpoint (the sharded layout: each rank's rows) loads into a plain worker
+and, once exported, into transformers. The sharded layout's own tests: test_sharded_layout.py."""
 
 import socket
 from pathlib import Path
@@ -12,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from rlscale.ckpt import Checkpointer, layout
 from rlscale.ckpt.checkpointer import wait_for_writers
+from rlscale.ckpt.tools import export_policy
 from rlscale.config import CheckpointingConfig
 from rlscale.workers.state_io import CheckpointableWorker, model_tensors, optimizer_flat
 from tests.ckpt.conftest import DEVICE, checkpointer_for, full_state, make_group, train_steps
@@ -78,7 +80,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, root: str, out: 
             tmp = str(Path(root) / layout.tmp_dir_name(2))
             group.run_all("checkpoint_snapshot", [(tmp,)] * world)
             wait_for_writers(group)  # mirrors rank 0's commit thread, poll for poll
-        assert worker._ckpt_tensors is None  # sharded: whole tensors are gathered afresh every save
+        assert worker._ckpt_tensors is None  # sharded: the files are made afresh every save
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -113,6 +115,7 @@ def test_sharded_ranks_resume_a_plain_save_and_write_one_a_plain_worker_loads(ma
     state = full_state(single.workers[0])
     for name, tensor in {**state["weights"], **state["moments"]}.items():
         assert torch.equal(expected[name], tensor), name
-    hf = AutoModelForCausalLM.from_pretrained(step_2 / "policy")
+    assert "tensors" in layout.read_manifest(step_2)  # sharded: policy/ is no HF dir, the export is
+    hf = AutoModelForCausalLM.from_pretrained(export_policy(step_2, tmp_path / "hf"))
     for name, tensor in model_tensors(hf).items():
         assert torch.equal(expected[name], tensor), name
