@@ -66,8 +66,10 @@ def test_a_killed_worker_ends_the_run_with_its_name_and_a_restart_resumes_the_ne
 
 
 def test_two_sharded_workers_checkpoint_and_one_worker_resumes(tiny_model, tmp_path):
-    """FSDP2 ranks save their shares of every step (whole tensors by name); a 1-worker run resumes."""
+    """FSDP2 ranks save their own rows of every step (the sharded layout); a 1-worker run resumes."""
     from transformers import AutoModelForCausalLM
+
+    from rlscale.ckpt.tools import export_policy
 
     log_dir = tmp_path / "run"
     first = run_cli("train", *RAY_RUN, f"policy.model_name={tiny_model}", "grpo.max_num_steps=2",
@@ -76,8 +78,10 @@ def test_two_sharded_workers_checkpoint_and_one_worker_resumes(tiny_model, tmp_p
     step_2 = log_dir / "checkpoints" / "step_2"
     manifest = json.loads((step_2 / "manifest.json").read_text())
     assert manifest["world_size"] == 2
-    assert {rel.split("-")[1] for rel in manifest["files"] if rel.startswith("optim/optim-")} == {"r000", "r001"}
-    AutoModelForCausalLM.from_pretrained(step_2 / "policy")  # a plain HF directory despite the sharding
+    assert "tensors" in manifest  # every tensor's rows by byte range
+    for part in ("policy", "optim"):  # each rank wrote its own files
+        assert {rel.split("-")[1] for rel in manifest["files"] if rel.startswith(f"{part}/shard-")} == {"r000", "r001"}
+    AutoModelForCausalLM.from_pretrained(export_policy(step_2, tmp_path / "export"))  # HF model by export
 
     one = [arg for arg in RAY_RUN if not arg.startswith("cluster.gpus_per_node")]
     second = run_cli("train", *one, f"policy.model_name={tiny_model}", "grpo.max_num_steps=3",
