@@ -179,7 +179,7 @@ class RolloutEngine:
         reason = unsupported_reason(source_model.config, max_length)
         if reason:
             raise ValueError(f"rollout engine does not support {reason}")
-        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.tp = tp if tp is not None and (tp.size > 1 or tp.communicate_alone) else None
         if self.tp is not None and not self.tp.capturable():
             if use_cuda_graphs or compile_decode:
                 warnings.warn("rollout engine: CUDA graphs and compile are off under a non-NCCL tensor-parallel "

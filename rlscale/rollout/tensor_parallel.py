@@ -54,11 +54,14 @@ class RankSlices(NamedTuple):
 @dataclass(frozen=True)
 class TensorParallel:
     """This rank's place in a tensor-parallel group. `group`: the process group of the T ranks
-    sharing one model (None: the default group); `rank` is the rank within it."""
+    sharing one model (None: the default group); `rank` is the rank within it.
+    `communicate_alone`: run the tensor-parallel path (its collectives) even at size 1, so that
+    the capture of NCCL collectives in the decode step can be exercised on one GPU (benchmarks)."""
 
     rank: int
     size: int
     group: dist.ProcessGroup | None = None
+    communicate_alone: bool = False
 
     def __post_init__(self):
         if not 0 <= self.rank < self.size:
