@@ -126,11 +126,16 @@ def paged_block_mask(block_table: torch.Tensor, block_logical: torch.Tensor, pos
     from torch.nn.attention.flex_attention import BlockMask
 
     slots, blocks = block_table.shape
-    live = (positions // block_size + 1).clamp(max=blocks).to(torch.int32).view(slots, 1, 1)
+    live = (positions // block_size + 1).clamp(max=blocks).view(slots, 1, 1)
     # the compiled kernel wants one column per block of the kv length (the pool's): the table's
-    # blocks first, the unlisted rest zero (as torch's PagedAttention pads its converted mask)
-    order = torch.zeros(slots, 1, 1, pool_positions // block_size, dtype=torch.int32, device=block_table.device)
-    order[..., :blocks] = block_table.to(torch.int32).view(slots, 1, 1, blocks)
+    # blocks first, the unlisted rest zero (as torch's PagedAttention pads its converted mask).
+    # Every block before a slot's last is full (the kernel skips the mask function there: it costs
+    # two gathers a position); only the last, partly written, is masked.
+    columns = pool_positions // block_size
+    full = torch.zeros(slots, 1, 1, columns, dtype=torch.int32, device=block_table.device)
+    full[..., :blocks] = block_table.to(torch.int32).view(slots, 1, 1, blocks)
+    last = torch.zeros_like(full)
+    last[..., :1] = block_table.gather(1, live.view(slots, 1) - 1).to(torch.int32).view(slots, 1, 1, 1)
 
     def within_sequence(b, h, q_idx, kv_idx):
         block = kv_idx // block_size
@@ -138,7 +143,8 @@ def paged_block_mask(block_table: torch.Tensor, block_logical: torch.Tensor, pos
         owned = block_table[b, logical.clamp(max=blocks - 1)] == block
         return owned & (logical * block_size + kv_idx % block_size <= positions[b])
 
-    return BlockMask.from_kv_blocks(live, order, BLOCK_SIZE=block_size, mask_mod=within_sequence,
+    return BlockMask.from_kv_blocks(torch.ones_like(live, dtype=torch.int32), last, (live - 1).to(torch.int32), full,
+                                    BLOCK_SIZE=block_size, mask_mod=within_sequence,
                                     seq_lengths=(queries, pool_positions), compute_q_blocks=False)
 
 

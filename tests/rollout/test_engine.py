@@ -283,12 +283,11 @@ def test_compiled_flex_decode_attention_reads_each_slots_own_blocks_of_the_pool_
         mask = paged_block_mask(table, logical, positions, block, keys.shape[1], group)
         return flex_attention(q, keys[None], values[None], block_mask=mask)
 
-    def attend_first_block_only(q, keys, values, positions):
+    def attend_last_block_only(q, keys, values, positions):  # the partly written block, without the full ones
         mask = paged_block_mask(table, logical, positions, block, keys.shape[1], group)
-        first = BlockMask.from_kv_blocks(torch.ones(slots, 1, 1, dtype=torch.int32), mask.kv_indices,
-                                         BLOCK_SIZE=block, mask_mod=mask.mask_mod,
-                                         seq_lengths=(group, keys.shape[1]), compute_q_blocks=False)
-        return flex_attention(q, keys[None], values[None], block_mask=first)
+        last = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, BLOCK_SIZE=block, mask_mod=mask.mask_mod,
+                                        seq_lengths=(group, keys.shape[1]), compute_q_blocks=False)
+        return flex_attention(q, keys[None], values[None], block_mask=last)
 
     gather = (table[:, :, None] * block + torch.arange(block)).flatten(1)  # each slot's blocks in order
     visible = (torch.arange(gather.shape[1]) <= positions[:, None])[:, None, None, :]
@@ -297,8 +296,12 @@ def test_compiled_flex_decode_attention_reads_each_slots_own_blocks_of_the_pool_
     out = torch.compile(attend, dynamic=False)(q, keys, values, positions)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(attend(q, keys, values, positions), expected, atol=1e-5, rtol=0)  # eager: the mask
+    # every block before a slot's last is listed as full (no mask function there), the last as partial
+    mask = paged_block_mask(table, logical, positions, block, keys.shape[1], group)
+    assert mask.full_kv_num_blocks.flatten().tolist() == [0, 0, 2, 3] and mask.kv_num_blocks.flatten().tolist() == [1] * 4
+    assert mask.kv_indices[:, 0, 0, 0].tolist() == table.gather(1, (positions // block)[:, None]).flatten().tolist()
     # the negative control: listing fewer blocks changes the slots whose positions pass the first
-    short = torch.compile(attend_first_block_only, dynamic=False)(q, keys, values, positions)
+    short = torch.compile(attend_last_block_only, dynamic=False)(q, keys, values, positions)
     changed = (short - out).abs().amax(dim=(1, 2, 3))
     assert changed[:2].max() < 1e-5 and changed[2:].min() > 1e-2
 
