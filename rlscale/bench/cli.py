@@ -54,11 +54,21 @@ def bench_ckpt(
     grpo_steps: int = typer.Option(0, "--grpo-steps", min=0,
                                    help="also time N GRPO steps with and without a save every step"),
     grpo_set: Optional[list[str]] = typer.Option(None, "--grpo-set", help="config override for those runs (repeatable)"),
+    ranks: int = typer.Option(1, "--ranks", min=1,
+                              help="N > 1: N FSDP2 ranks (gloo, all on this device) save and load the sharded "
+                                   "layout, fp32 master weights + AdamW, against DCP on the same shards"),
 ) -> None:
     """Checkpoint save/load: torch.save, DCP save/async_save and rlscale on one state and directory."""
+    check_device(device)
+    if ranks > 1:
+        from rlscale.bench.ckpt_ranks import run_ranked_benchmark
+
+        if grpo_steps:
+            raise UserError("--grpo-steps runs with one rank only (leave out --ranks)")
+        run_ranked_benchmark(directory, json_file, size_gb, model, device, writers, ranks, echo=typer.echo)
+        return
     from rlscale.bench.ckpt import run_benchmark
 
-    check_device(device)
     run_benchmark(directory, json_file, size_gb, model, device, writers, grpo_steps, grpo_set, echo=typer.echo)
 
 

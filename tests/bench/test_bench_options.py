@@ -13,6 +13,8 @@ from rlscale.errors import UserError
 
 @pytest.mark.parametrize("args, message", [
     (["bench", "ckpt", "--device", "tpu"], "--device 'tpu': choose auto, cpu or cuda"),
+    (["bench", "ckpt", "--ranks", "2", "--grpo-steps", "1"], "--grpo-steps runs with one rank only (leave out --ranks)"),
+    (["bench", "ckpt", "--ranks", "2", "--model", "qwen9"], "--model 'qwen9': known models are qwen2-0.5b, qwen2-1.5b"),
     (["bench", "train", "--device", "tpu"], "--device 'tpu': choose auto, cpu or cuda"),
     (["bench", "scale", "--workers", "2", "--workers", "0"], "--workers 0: a run needs at least one worker"),
     (["bench", "mem", "--model", "qwen2-0.5b", "--model", "qwen9"],
