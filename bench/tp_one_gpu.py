@@ -7,8 +7,9 @@ NCCL refuses two ranks on one GPU, so the tensor-parallel engine is exercised th
   its collectives cannot be captured, so the engine runs eagerly): the bf16 sharded kernels and
   the sampling across vocabulary shards, against T = 1 eager on the same weights and prompts;
 - a one-rank NCCL group with `TensorParallel(communicate_alone=True)`: the tensor-parallel path
-  with its all-reduces and all-gathers inside the compiled, captured decode step, against T = 1
-  captured (the same maths: a one-rank all-reduce is the identity, so tokens must agree exactly).
+  with its all-reduces and all-gathers inside the captured decode step, eager (against T = 1
+  eager) and compiled (against T = 1 compiled; a one-rank all-reduce is the identity, so tokens
+  must agree exactly).
 In bf16 a different summation order (two partial sums per row-parallel layer at T = 2) moves
 logits by bf16 rounding, so greedy rows at T = 2 may part from T = 1 at a near-tie; the JSON
 reports how many rows agree in full, the mean agreeing prefix, and the log-prob difference over it.
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -116,38 +118,55 @@ def main() -> None:
         code = ""
     results["code"] = code or None
 
-    eager = timed_generations(RolloutEngine(model, device, torch.bfloat16, max_length, use_cuda_graphs=False), rows,
-                              args.new_tokens)
-    captured = timed_generations(RolloutEngine(model, device, torch.bfloat16, max_length, use_cuda_graphs=True,
-                                               compile_decode=True), rows, args.new_tokens)
+    def stage(name: str, fn):
+        """Run one stage; a failure is recorded (its last traceback lines) and the others still run."""
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001 - a benchmark records what broke and goes on
+            results.setdefault("errors", {})[name] = traceback.format_exc().splitlines()[-12:]
+            print(f"stage {name} failed:", *results["errors"][name], sep="\n", file=sys.stderr)
+            return None
 
-    # one-rank NCCL: the tensor-parallel path's collectives inside the compiled, captured step
+    def engine(**options):
+        return RolloutEngine(model, device, torch.bfloat16, max_length, **options)
+
+    eager = stage("t1_eager", lambda: timed_generations(engine(use_cuda_graphs=False), rows, args.new_tokens))
+    captured = stage("t1_captured", lambda: timed_generations(engine(use_cuda_graphs=True, compile_decode=True), rows,
+                                                            args.new_tokens))
+    # the captured step's tensor-parallel path without compile, then compiled (as training runs it)
     dist.init_process_group("nccl", init_method=f"file://{work}/nccl_init", rank=0, world_size=1,
                             device_id=device)
     alone = TensorParallel(0, 1, dist.group.WORLD, communicate_alone=True)
-    engine = RolloutEngine(model, device, torch.bfloat16, max_length, use_cuda_graphs=True, compile_decode=True,
-                           tp=alone)
-    assert engine.tp is alone and engine.use_graphs, "the one-rank NCCL engine must keep its collectives and graphs"
-    nccl = timed_generations(engine, rows, args.new_tokens)
-    results["nccl_one_rank_graphs_captured"] = len(engine.graphs)
-    del engine
+
+    def nccl_run(compiled: bool):
+        tp_engine = engine(use_cuda_graphs=True, compile_decode=compiled, tp=alone)
+        assert tp_engine.tp is alone and tp_engine.use_graphs, "the one-rank NCCL engine keeps collectives and graphs"
+        out = timed_generations(tp_engine, rows, args.new_tokens)
+        out["graphs_captured"] = len(tp_engine.graphs)
+        return out
+
+    nccl_graphs = stage("nccl_one_rank_graphs", lambda: nccl_run(False))
+    nccl = stage("nccl_one_rank_compiled", lambda: nccl_run(True))
     dist.destroy_process_group()
     del model
     torch.cuda.empty_cache()
 
     # T = 2 over gloo, two processes on the one GPU
-    mp.start_processes(gloo_rank, (2, str(work / "gloo_init"), expected, args, str(work / "t2.pt")),
-                       nprocs=2, start_method="spawn")
-    t2 = torch.load(work / "t2.pt", weights_only=False)
+    t2 = stage("t2_gloo_eager", lambda: (mp.start_processes(
+        gloo_rank, (2, str(work / "gloo_init"), expected, args, str(work / "t2.pt")), nprocs=2, start_method="spawn"),
+        torch.load(work / "t2.pt", weights_only=False))[1])
 
-    def summary(name: str, run: dict, reference: dict) -> dict:
+    def summary(name: str, run: dict | None, reference: dict | None) -> dict | None:
+        if run is None:
+            return None
         return {mode: {"tokens_per_s": run[mode]["tokens_per_s"], "seconds": run[mode]["seconds"],
-                       "against": name, **agreement(reference[mode], run[mode])} for mode in MODES}
+                       **({"against": name, **agreement(reference[mode], run[mode])} if reference else {})}
+                for mode in MODES}
 
-    results["t1_eager"] = {mode: {"tokens_per_s": eager[mode]["tokens_per_s"], "seconds": eager[mode]["seconds"]}
-                           for mode in MODES}
+    results["t1_eager"] = summary("", eager, None)
     results["t1_captured"] = summary("t1_eager", captured, eager)
-    results["nccl_one_rank_captured"] = summary("t1_captured", nccl, captured)
+    results["nccl_one_rank_graphs"] = summary("t1_eager", nccl_graphs, eager)
+    results["nccl_one_rank_compiled"] = summary("t1_captured", nccl, captured)
     results["t2_gloo_eager"] = summary("t1_eager", t2, eager)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(json.dumps({k: v for k, v in results.items()}, indent=2))
