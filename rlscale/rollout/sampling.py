@@ -41,6 +41,19 @@ class SamplingParams:
         return SamplingMode(self.temperature, self.top_p, self.top_k)
 
 
+@torch.library.custom_op("rlscale::running_sum", mutates_args=())
+def running_sum(x: torch.Tensor) -> torch.Tensor:
+    """x.cumsum(-1) as an op torch.compile calls rather than generates: inductor's own scan over a
+    [64, 151936] row failed to generate code (torch 2.11, H200, 2026-12-03: `SplitScan`, a
+    TypeError in `get_block_shape`), crashing the compiled decode step with top-p at batch 64."""
+    return x.cumsum(-1)
+
+
+@running_sum.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
     """Mask tokens outside the top-k and outside the smallest set holding top_p of the mass."""
     if top_k is not None and top_k < logits.shape[-1]:
@@ -50,7 +63,7 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torc
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         # drop a token when the tokens ranked above it already hold top_p (the first always stays)
-        drop_sorted = (probs.cumsum(-1) - probs) > top_p
+        drop_sorted = (running_sum(probs) - probs) > top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -259,6 +259,22 @@ def test_models_outside_the_supported_families_are_named():
 
 
 @needs_a_compiler
+def test_compiled_top_p_filter_calls_the_running_sum_op_and_equals_eager():
+    # the nucleus's running sum is an opaque op in compiled code (inductor's own scan failed on
+    # CUDA at [64, 151936]); compiled it must still give eager's mask
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 4099, generator=g) * 3
+    compiled = torch.compile(lambda x: filter_logits(x, top_k=50, top_p=0.9), dynamic=False)
+    out = compiled(logits)
+    assert torch.equal(torch.isfinite(out), torch.isfinite(filter_logits(logits, top_k=50, top_p=0.9)))
+    assert 0 < int(torch.isfinite(out).sum(-1).min()) < 50  # the nucleus cut inside the top 50
+    from torch._inductor.utils import run_and_get_code
+
+    _, code = run_and_get_code(torch.compile(lambda x: filter_logits(x, None, 0.9), dynamic=False), logits)
+    assert "rlscale.running_sum" in "\n".join(code)
+
+
+@needs_a_compiler
 def test_compiled_flex_decode_attention_reads_each_slots_own_blocks_of_the_pool_and_equals_masked_sdpa():
     # eager flex applies only the mask function; compiled flex (as on CUDA) also skips every block
     # the block mask does not list, so the list itself is checked here
