@@ -37,6 +37,8 @@ def train(
     overrides: Optional[list[str]] = OVERRIDES_ARG,
     config: Optional[Path] = CONFIG_OPTION,
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the resolved config, then stop"),
+    strict: bool = typer.Option(False, "--strict", help="refuse NeMo-RL keys that rlscale does not act on "
+                                "(by default they are listed once, with what rlscale does instead)"),
 ) -> None:
     """Run GRPO (the built-in tiny arithmetic job when given no arguments).
 
@@ -48,11 +50,12 @@ def train(
     75: stopped for checkpointing.checkpoint_must_save_by, after a save. Run the same command to resume.
     """
     from rlscale.config import config_notes
-    from rlscale.config_loading import load_config
+    from rlscale.config_loading import load_config_and_notes
     from rlscale.telemetry import print_note
 
-    cfg = load_config(config, overrides or [])
-    for note in config_notes(cfg):
+    loaded = load_config_and_notes(config, overrides or [], strict=strict)  # a NeMo-RL recipe too
+    cfg = loaded.cfg
+    for note in [*loaded.ignored_lines(), *loaded.notes, *config_notes(cfg)]:
         print_note(note)
     if dry_run:
         from rlscale.data.presets import find_preset

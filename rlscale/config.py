@@ -123,7 +123,19 @@ class OptimizerConfig(_Section):
 
 
 class SchedulerConfig(_Section):
-    warmup_steps: int = Field(5, ge=0, description="linear LR warm-up, in optimizer steps; constant after")
+    warmup_steps: int = Field(5, ge=0, description="linear LR warm-up, in optimizer steps; then decay_style")
+    warmup_start_lr: float | None = Field(
+        None, ge=0.0, allow_inf_nan=False, description="the LR of the first warm-up step, rising linearly to "
+        "policy.optimizer.lr at step warmup_steps (Megatron's lr_warmup_init); null = lr / warmup_steps, "
+        "reaching lr at the last warm-up step")
+    decay_style: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="after the warm-up: constant at lr, or linear / cosine decay to min_lr by "
+        "decay_steps (Megatron's lr_decay_style)")
+    decay_steps: int | None = Field(
+        None, ge=1, description="optimizer step at which a linear or cosine decay reaches min_lr (counted from the "
+        "start, warm-up included; Megatron's lr_decay_iters); null = the run's last optimizer step")
+    min_lr: float = Field(0.0, ge=0.0, allow_inf_nan=False,
+                          description="the LR a linear or cosine decay ends at (Megatron's min_lr)")
 
 
 class PolicyConfig(_Section):
@@ -199,6 +211,21 @@ class PolicyConfig(_Section):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+    @model_validator(mode="after")
+    def _schedule_fits_lr(self) -> PolicyConfig:
+        sched, lr = self.scheduler, self.optimizer.lr
+        if sched.warmup_start_lr is not None and sched.warmup_start_lr > lr:
+            raise ValueError(f"policy.scheduler.warmup_start_lr={sched.warmup_start_lr:g} is above "
+                             f"policy.optimizer.lr={lr:g}: a warm-up rises to lr")
+        if sched.decay_style != "constant" and sched.min_lr > lr:
+            raise ValueError(f"policy.scheduler.min_lr={sched.min_lr:g} is above policy.optimizer.lr={lr:g}: "
+                             f"a {sched.decay_style} decay falls from lr to min_lr")
+        if sched.decay_style != "constant" and sched.decay_steps is not None \
+                and sched.decay_steps <= sched.warmup_steps:
+            raise ValueError(f"policy.scheduler.decay_steps={sched.decay_steps} must come after the warm-up "
+                             f"(policy.scheduler.warmup_steps={sched.warmup_steps})")
+        return self
 
     @model_validator(mode="after")
     def _master_weights_fit_dtype(self) -> PolicyConfig:

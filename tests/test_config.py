@@ -131,8 +131,8 @@ def test_parse_override_splits_at_the_first_equals_sign():
       "policy.generation.tensor_parallel_size=1"],
      "config key 'policy.generation': policy.generation.vllm_cfg.tensor_parallel_size=2 and "
      "policy.generation.tensor_parallel_size=1 disagree (they are one setting: give one)"),
-    (["policy.generation.vllm_cfg.enforce_eager=true"],
-     "config key 'policy.generation': policy.generation.vllm_cfg.enforce_eager is not an rlscale setting"),
+    (["policy.generation.vllm_cfg.enforce_eagr=true"],  # NeMo-RL's vLLM keys are accepted (tests/test_nemo_recipes.py)
+     "unknown config key 'policy.generation.vllm_cfg.enforce_eagr'"),
     (["policy.generation.vllm_cfg.gpu_memory_utilization=0.6", "policy.generation.gpu_memory_utilization=0.5"],
      "config key 'policy.generation': policy.generation.vllm_cfg.gpu_memory_utilization=0.6 and "
      "policy.generation.gpu_memory_utilization=0.5 disagree (they are one setting: give one)"),

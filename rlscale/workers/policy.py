@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from rlscale.config import Config, token_budget
+from rlscale.config import Config, derive_sizes, token_budget
 from rlscale.errors import UserError
 from rlscale.grpo.loss import grpo_token_loss
 from rlscale.models import PromptRenderer, load_tokenizer, pick_device, stop_token_ids
@@ -42,6 +42,25 @@ TRAINED_TOKEN_MEANS = ("entropy", "token_mult_prob_error")
 def warmup_factor(step: int, warmup_steps: int) -> float:
     """LR multiplier: linear warm-up over `warmup_steps` optimizer steps, then constant."""
     return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+
+def lr_factor(step: int, scheduler, lr: float, total_steps: int) -> float:
+    """LR multiplier at optimizer step `step` (from 0) for policy.scheduler: the warm-up (from
+    warmup_start_lr when set, as Megatron's lr_warmup_init), then constant or a linear / cosine
+    decay to min_lr by decay_steps (default: the run's last step, `total_steps`)."""
+    warmup = scheduler.warmup_steps
+    if warmup > 0 and step < warmup:
+        if scheduler.warmup_start_lr is None:
+            return warmup_factor(step, warmup)
+        start = scheduler.warmup_start_lr / lr
+        return start + (1.0 - start) * step / warmup
+    if scheduler.decay_style == "constant":
+        return 1.0
+    end = scheduler.decay_steps or max(total_steps, warmup + 1)
+    done = min(1.0, max(0.0, (step - warmup) / max(1, end - warmup)))
+    keep = 1.0 - done if scheduler.decay_style == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+    floor = scheduler.min_lr / lr
+    return floor + keep * (1.0 - floor)
 
 
 class PolicyWorker(state_io.CheckpointableWorker):
@@ -91,8 +110,9 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self.memory = PhasePeaks(self.device)  # measured per phase, reported with each update
         self.optimizer = precision.make_optimizer(self.model.parameters(), policy.optimizer, self.precision,
                                                   self.device, seed=cfg.grpo.seed * 1009 + rank)
-        warmup = policy.scheduler.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: warmup_factor(s, warmup))
+        sched, lr = policy.scheduler, policy.optimizer.lr
+        total = cfg.grpo.max_num_steps * derive_sizes(cfg).optimizer_steps_per_grpo_step
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, sched, lr, total))
 
     def _tensor_parallel(self, size: int) -> TensorParallel | None:
         """This rank's tensor-parallel group for the rollout engine; None without tensor parallelism."""
