@@ -17,9 +17,12 @@ run.sh`, its tokens written in plain text into that JSON file. Here:
   environment variables on the Ray pods. `submit` refuses an override or `--env` that carries
   one, and checks the whole request for the values of the secrets set where it runs;
 - the Ray dashboard may require a token (Ray >= 2.52 has token authentication; recent releases
-  enable it by default on local clusters). `--token` or RAY_JOB_AUTH_TOKEN is sent as an
-  `Authorization: Bearer` header, never printed or stored; without one, Ray's own client adds its
-  token when RAY_AUTH_MODE=token here (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token).
+  enable it by default on local clusters; `rlscale cluster render` turns it on). `--token` or
+  RAY_JOB_AUTH_TOKEN is sent as an `Authorization: Bearer` header, never printed or stored;
+  without one, Ray's own client adds its token when RAY_AUTH_MODE=token here (RAY_AUTH_TOKEN,
+  RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token). For a rendered cluster the token is in the Secret
+  the manifests name (`<name>-ray-token`, key auth_token):
+  `export RAY_JOB_AUTH_TOKEN="$(kubectl get secret rlscale-ray-token -o jsonpath='{.data.auth_token}' | base64 -d)"`.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ DEFAULT_SOCKET_IFNAME = "eth0"
 TOKEN_ENV = "RAY_JOB_AUTH_TOKEN"
 # Secrets a run may need; they reach the pods from a Kubernetes Secret, never from here.
 SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
+# ... and the Ray auth token, as this client (RAY_JOB_AUTH_TOKEN) and Ray's own (RAY_AUTH_TOKEN) read
+# it: its value set here is refused in a request and redacted from output like theirs.
+RAY_TOKEN_ENV_VARS = ("RAY_AUTH_TOKEN", "RAY_JOB_AUTH_TOKEN")
+REDACTED_ENV_VARS = SECRET_ENV_VARS + RAY_TOKEN_ENV_VARS
 # gitwildmatch patterns relative to the working directory, as Ray's `excludes`. No trailing
 # slashes: Ray matches a directory's own path without one, so `runs/` would still walk the tree.
 DEFAULT_EXCLUDES = [
@@ -72,7 +79,8 @@ ADDRESS_OPTION = typer.Option(
     None, "--address", help=f"Ray dashboard, http://HOST:8265 (default: RAY_ADDRESS, else {DEFAULT_ADDRESS})")
 TOKEN_OPTION = typer.Option(
     None, "--token", show_default=False,
-    help=f"dashboard auth token, sent as a Bearer header (better: set {TOKEN_ENV}, kept out of `ps`)")
+    help=f"dashboard auth token, sent as a Bearer header (better: set {TOKEN_ENV}, kept out of `ps`; a rendered "
+    "cluster's is in its Secret <name>-ray-token, key auth_token: see NOTES.md)")
 
 
 # ---------------------------------------------------------------- address, auth, errors
@@ -135,7 +143,10 @@ def _ray_errors(address: str, job_id: str | None = None):
     except AuthenticationError as exc:
         if "Authentication required" in str(exc):
             raise UserError(f"the Ray cluster at {address} requires an auth token: set {TOKEN_ENV} (or "
-                            "--token); `ray get-auth-token` prints a local cluster's token") from None
+                            "--token); a cluster from `rlscale cluster render` keeps it in its Secret: "
+                            f"export {TOKEN_ENV}=\"$(kubectl get secret <name>-ray-token -o "
+                            "jsonpath='{.data.auth_token}' | base64 -d)\"; `ray get-auth-token` prints a local "
+                            "cluster's") from None
         raise UserError(f"the Ray cluster at {address} rejected the auth token ({TOKEN_ENV} / --token)") from None
     except (ConnectionError, requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
         parts = urlsplit(address)
@@ -168,7 +179,7 @@ def job_client(address: str | None = None, token: str | None = None):
 
 
 def _local_secret_values(extra: tuple[str, ...] = ()) -> list[str]:
-    values = [os.environ.get(name, "") for name in SECRET_ENV_VARS] + list(extra)
+    values = [os.environ.get(name, "") for name in REDACTED_ENV_VARS] + list(extra)
     return [v for v in values if v and len(v) >= _MIN_SECRET_LEN]
 
 
@@ -201,7 +212,7 @@ def secret_reason(key: str, value: str, extra: tuple[str, ...] = ()) -> str | No
     """Why `key=value` looks like a secret, or None."""
     if secret_name(key):
         return f"{key!r} names a secret"
-    for name in SECRET_ENV_VARS:
+    for name in REDACTED_ENV_VARS:
         secret = os.environ.get(name, "")
         if len(secret) >= _MIN_SECRET_LEN and secret in value:
             return f"the value of {key!r} is this environment's {name}"
@@ -377,15 +388,20 @@ def build_submission(working_dir: Path, config: Path | None, overrides: list[str
 
 
 def _placement_notes(config: Path | None, overrides: list[str]) -> list[str]:
-    """Where a relative run directory ends up on the cluster, said before it surprises anyone."""
+    """Where a relative run or checkpoint directory ends up on the cluster, said before it surprises anyone."""
     from rlscale.config_loading import load_config
 
     cfg = load_config(config, overrides)
-    if not cfg.checkpointing.enabled or Path(cfg.checkpoint_dir).is_absolute():
-        return []
-    return [f"checkpoints go to {str(cfg.checkpoint_dir)!r} inside the job's unpacked working directory on the "
-            "node that runs the driver (not the shared volume; Ray reuses that directory for an identical "
-            "upload, so a later job may resume from it): set checkpointing.checkpoint_dir=/lustre/<run>"]
+    notes = []
+    if not Path(cfg.logger.log_dir).is_absolute():
+        notes.append(f"the run directory logger.log_dir={cfg.logger.log_dir!r} (metrics.jsonl, summary.json, the "
+                     "resolved config) is inside the job's unpacked working directory on the head, not the shared "
+                     "volume: it goes with the head pod; set logger.log_dir=/lustre/rlscale-runs/<run>")
+    if cfg.checkpointing.enabled and not Path(cfg.checkpoint_dir).is_absolute():
+        notes.append(f"checkpoints go to {str(cfg.checkpoint_dir)!r} inside the job's unpacked working directory on "
+                     "the node that runs the driver (not the shared volume; Ray reuses that directory for an "
+                     "identical upload, so a later job may resume from it): set checkpointing.checkpoint_dir=/lustre/<run>")
+    return notes
 
 
 # ---------------------------------------------------------------- following a job

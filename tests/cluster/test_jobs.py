@@ -497,3 +497,31 @@ def test_pip_packages_travel_in_the_runtime_env_and_never_a_secret(tmp_path, mon
     for entry, what in (("", "empty"), ("  ", "empty"), ("--index-url=https://x", "an option")):
         with pytest.raises(UserError, match=f"--pip entry 2 is {what}"):
             build_submission(tmp_path / "wd", None, [], {}, "", "", pip=[wheel, entry])
+
+
+def test_the_ray_auth_token_set_here_is_refused_in_a_request_and_redacted(tmp_path, monkeypatch):
+    """The token of a rendered cluster (RAY_JOB_AUTH_TOKEN / RAY_AUTH_TOKEN here) follows the rules
+    of HF_TOKEN and WANDB_API_KEY: never in an override, --env or --pip, redacted from output."""
+    from rlscale.cluster.jobs import _redact
+
+    token = "raytoken-SENTINEL-77aa0c"
+    for name in ("RAY_AUTH_TOKEN", "RAY_JOB_AUTH_TOKEN"):
+        monkeypatch.setenv(name, token)
+        for overrides, env, pip in ((["policy.model_name=" + token], {}, None), ([], {"MY_VAR": f"x{token}"}, None),
+                                    ([], {}, [f"/lustre/{token}.whl"])):
+            with pytest.raises(UserError) as refused:
+                build_submission(tmp_path, None, overrides, env, "", "", pip=pip)
+            assert name in str(refused.value) and token not in str(refused.value)
+        assert token not in _redact(f"the token {token} in a log line")
+        monkeypatch.delenv(name)
+    assert build_submission(tmp_path, None, ["policy.model_name=" + token], {}, "", "")["entrypoint"]
+
+
+def test_submit_notes_a_run_directory_off_the_shared_volume():
+    from rlscale.cluster.jobs import _placement_notes
+
+    notes = _placement_notes(None, [])
+    assert any("logger.log_dir='runs/default'" in n and "/lustre/rlscale-runs/" in n for n in notes)
+    assert any("checkpoints go to 'runs/default/checkpoints'" in n for n in notes)
+    # a run directory on the volume takes the default checkpoint directory with it
+    assert _placement_notes(None, ["logger.log_dir=/lustre/rlscale-runs/r1"]) == []

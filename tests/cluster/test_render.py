@@ -13,13 +13,15 @@ import jsonschema
 import pytest
 import yaml
 
-from rlscale.cluster.render import FILES, raycluster, rayjob, render, render_command, render_to_dir
+from rlscale.cluster.render import FILES, JOB_LABEL, raycluster, rayjob, render, render_command, render_to_dir
 from rlscale.cluster.spec import ClusterSpec, cluster_spec_from_dict, load_cluster_spec, parse_quantity
 from rlscale.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = Path(__file__).resolve().parent / "crds"
 SENTINELS = {"HF_TOKEN": "hf_SENTINEL_d6f1c0ffee", "WANDB_API_KEY": "wandb-SENTINEL-8b1e5ca1ab"}
+# the Ray auth token, as `rlscale job submit` and Ray's own client read it: never in a rendered file
+TOKEN_SENTINELS = {"RAY_AUTH_TOKEN": "raytoken-SENTINEL-5e11c0de", "RAY_JOB_AUTH_TOKEN": "raytoken-SENTINEL-5e11c0de"}
 
 
 def _strict(schema):
@@ -103,7 +105,7 @@ def check_operator_rules(kind: str, doc: dict) -> None:
         assert not (js.get("suspend") and not js.get("shutdownAfterJobFinishes"))
 
 
-@pytest.mark.parametrize("kind,file", [("RayCluster", "raycluster.yaml"), ("RayJob", "rayjob.yaml")])
+@pytest.mark.parametrize("kind,file", [("RayCluster", "cluster/raycluster.yaml"), ("RayJob", "job/rayjob.yaml")])
 def test_manifests_satisfy_the_crd_schema_and_operator_rules(rendered, schemas, kind, file):
     doc = _load(rendered, file)
     assert doc["apiVersion"] == "ray.io/v1" and doc["kind"] == kind
@@ -112,7 +114,7 @@ def test_manifests_satisfy_the_crd_schema_and_operator_rules(rendered, schemas, 
 
 
 def test_the_schema_check_catches_mistakes(rendered, schemas):
-    doc = _load(rendered, "raycluster.yaml")
+    doc = _load(rendered, "cluster/raycluster.yaml")
     bad = copy.deepcopy(doc)
     bad["spec"]["workerGroupSpecs"][0]["rayStartParams"]["num-gpus"] = 8  # not a string
     with pytest.raises(AssertionError):
@@ -132,26 +134,39 @@ def test_varied_specs_stay_valid(tmp_path, schemas):
                                    "worker": {"shm_size": "16Gi", "cpu": 4, "memory": "32Gi"},
                                    "monitoring": {"enabled": False}, "job": {"pip": ["rlscale==0.1.0"]}})
     render_to_dir(spec, tmp_path)
-    assert not (tmp_path / "podmonitoring.yaml").exists()
-    for kind, file in (("RayCluster", "raycluster.yaml"), ("RayJob", "rayjob.yaml")):
+    assert not (tmp_path / "cluster" / "podmonitoring.yaml").exists()
+    assert not (tmp_path / "job" / "podmonitoring.yaml").exists()
+    for kind, file in (("RayCluster", "cluster/raycluster.yaml"), ("RayJob", "job/rayjob.yaml")):
         doc = _load(tmp_path, file)
         _validate(doc, schemas[kind])
         check_operator_rules(kind, doc)
-    job = _load(tmp_path, "rayjob.yaml")["spec"]
+    job = _load(tmp_path, "job/rayjob.yaml")["spec"]
     assert yaml.safe_load(job["runtimeEnvYAML"])["pip"] == ["rlscale==0.1.0"]
-    dshm = _load(tmp_path, "raycluster.yaml")["spec"]["workerGroupSpecs"][0]["template"]["spec"]["volumes"][1]
+    dshm = _load(tmp_path, "cluster/raycluster.yaml")["spec"]["workerGroupSpecs"][0]["template"]["spec"]["volumes"][1]
     assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
 
 
 # ------------------------------------------------------------------ the seed's values
 
 
+def _tree(out: Path) -> list[str]:
+    return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+
+
+def _without_job_label(cluster_spec: dict) -> dict:
+    """A RayJob's rayClusterSpec less the label that tells its pods apart (its NetworkPolicy's selector)."""
+    doc = copy.deepcopy(cluster_spec)
+    for group in [doc["headGroupSpec"]] + doc["workerGroupSpecs"]:
+        group["template"]["metadata"]["labels"].pop(JOB_LABEL)
+    return doc
+
+
 def test_defaults_reproduce_the_seed_cluster(rendered):
-    assert sorted(p.name for p in rendered.iterdir()) == sorted([*FILES, ".rlscale-render"])
-    rc = _load(rendered, "raycluster.yaml")
+    assert _tree(rendered) == sorted([*FILES, ".rlscale-render"])
+    rc = _load(rendered, "cluster/raycluster.yaml")
     assert rc["spec"]["rayVersion"] == "2.54.0"
     head = rc["spec"]["headGroupSpec"]
-    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"  # reachable through the service: the policy guards it
     (worker,) = rc["spec"]["workerGroupSpecs"]
     assert worker["groupName"] == "gpu-worker-group"
     assert worker["replicas"] == worker["minReplicas"] == worker["maxReplicas"] == 8
@@ -165,10 +180,11 @@ def test_defaults_reproduce_the_seed_cluster(rendered):
     assert hc["resources"] == {"limits": {"cpu": "32", "memory": "1000Gi"}, "requests": {"cpu": "8", "memory": "64Gi"}}
     per_node = {"cpu": "100", "memory": "1000Gi", "nvidia.com/gpu": "8"}
     assert wc["resources"] == {"limits": per_node, "requests": per_node}
-    for pod, container in ((head["template"]["spec"], hc), (worker["template"]["spec"], wc)):
+    wpod = worker["template"]["spec"]
+    assert wpod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-b200"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in wpod["tolerations"]
+    for pod, container in ((head["template"]["spec"], hc), (wpod, wc)):
         assert container["image"] == "nvcr.io/nvidia/nemo-rl:v0.4.0"
-        assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-b200"}
-        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
         volumes = {v["name"]: v for v in pod["volumes"]}
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         assert volumes[mounts["/lustre"]]["persistentVolumeClaim"] == {"claimName": "lustre-pvc"}
@@ -187,13 +203,13 @@ def test_the_grace_period_reaches_every_pod_and_covers_the_run_s_preemption_grac
     rc = raycluster(spec)["spec"]
     pods = [rc["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in rc["workerGroupSpecs"]]
     assert [pod["terminationGracePeriodSeconds"] for pod in pods] == [120, 120]
-    assert rayjob(spec)["spec"]["rayClusterSpec"] == rc
+    assert _without_job_label(rayjob(spec)["spec"]["rayClusterSpec"]) == rc
     assert ClusterSpec().termination_grace_period_s > CheckpointingConfig().preemption_grace_s
 
 
 def test_rayjob_embeds_the_same_cluster_and_runs_rlscale(rendered):
-    rc, rj = _load(rendered, "raycluster.yaml"), _load(rendered, "rayjob.yaml")
-    assert rj["spec"]["rayClusterSpec"] == rc["spec"]
+    rc, rj = _load(rendered, "cluster/raycluster.yaml"), _load(rendered, "job/rayjob.yaml")
+    assert _without_job_label(rj["spec"]["rayClusterSpec"]) == rc["spec"]
     assert rj["spec"]["entrypoint"].startswith(
         "rlscale train cluster.num_nodes=8 cluster.gpus_per_node=8 logger.prometheus_port=9464 ")
     assert "checkpointing.checkpoint_dir=/lustre/" in rj["spec"]["entrypoint"]
@@ -303,18 +319,31 @@ def test_the_worker_hook_looks_for_the_policy_workers_process_title():
     assert WORKER_PROCESS_TITLE == "ray::" + PolicyWorker.__name__  # Ray's title for its actor processes
 
 
-def test_podmonitoring_selects_the_ray_pods_and_scrapes_the_metrics_port(rendered):
-    pm = _load(rendered, "podmonitoring.yaml")
+@pytest.mark.parametrize("job", [False, True])
+def test_podmonitoring_selects_the_ray_pods_and_scrapes_the_metrics_port(rendered, job):
+    folder = "job" if job else "cluster"
+    pm = _load(rendered, f"{folder}/podmonitoring.yaml")
     assert pm["apiVersion"] == "monitoring.googleapis.com/v1" and pm["kind"] == "PodMonitoring"
-    rc = _load(rendered, "raycluster.yaml")["spec"]
+    doc = _load(rendered, "job/rayjob.yaml" if job else "cluster/raycluster.yaml")
+    rc = doc["spec"]["rayClusterSpec"] if job else doc["spec"]
     for group in [rc["headGroupSpec"]] + rc["workerGroupSpecs"]:
-        labels = group["template"]["metadata"]["labels"]
+        labels = _pod_labels(group, doc)
         assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
         ports = {p["name"] for p in group["template"]["spec"]["containers"][0]["ports"]}
         assert {e["port"] for e in pm["spec"]["endpoints"]} & ports  # each pod has a port it scrapes
     head_ports = {p["name"] for p in rc["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]}
     assert {e["port"] for e in pm["spec"]["endpoints"]} <= head_ports
     assert {"port": "rlscale-metrics", "path": "/metrics", "interval": "30s"} in pm["spec"]["endpoints"]
+    other = _load(rendered, f"{'cluster' if job else 'job'}/podmonitoring.yaml")
+    assert other["metadata"]["name"] != pm["metadata"]["name"]  # deleting one directory leaves the other's
+
+
+def _pod_labels(group: dict, doc: dict) -> dict:
+    """The labels a Ray pod ends up with: its template's, plus those KubeRay sets (ray.io/cluster is
+    the RayCluster's name; a RayJob's cluster gets a generated one, `<rayjob>-xxxxx`)."""
+    cluster = doc["metadata"]["name"] + ("-ab1cd" if doc["kind"] == "RayJob" else "")
+    return {**group["template"]["metadata"]["labels"], "ray.io/cluster": cluster,
+            "app.kubernetes.io/created-by": "kuberay-operator"}
 
 
 def test_output_is_deterministic_and_the_example_config_is_the_default():
@@ -326,21 +355,27 @@ def test_output_is_deterministic_and_the_example_config_is_the_default():
 
 
 def test_no_secret_value_in_any_rendered_file(tmp_path, monkeypatch, capsys):
-    for key, value in SENTINELS.items():
+    for key, value in {**SENTINELS, **TOKEN_SENTINELS}.items():
         monkeypatch.setenv(key, value)
     render_command(ROOT / "examples" / "cluster.yaml", tmp_path)
     printed = capsys.readouterr()
-    texts = {p.name: p.read_text() for p in tmp_path.iterdir()}
-    for value in SENTINELS.values():
+    texts = {str(p.relative_to(tmp_path)): p.read_text() for p in tmp_path.rglob("*") if p.is_file()}
+    assert "NOTES.md" in texts and "cluster/raycluster.yaml" in texts
+    for value in {**SENTINELS, **TOKEN_SENTINELS}.values():
         assert value not in printed.out + printed.err
         for name, text in texts.items():
             assert value not in text, f"a secret value leaked into {name}"
-    for name in ("raycluster.yaml", "rayjob.yaml"):
+    for name in ("cluster/raycluster.yaml", "job/rayjob.yaml"):
         refs = re.findall(r"secretKeyRef:\n\s+name: rlscale-secrets\n\s+key: (\w+)", texts[name])
         assert set(refs) == set(SENTINELS)
+        tokens = re.findall(r"secretKeyRef:\n\s+name: rlscale-ray-token\n\s+key: (\w+)", texts[name])
+        assert tokens == ["auth_token"] * 2  # head and worker: a reference, never the token
     assert '--from-literal=HF_TOKEN="$HF_TOKEN"' in texts["NOTES.md"]
     assert "kubectl create secret generic rlscale-secrets" in texts["NOTES.md"]
-    assert yaml.safe_load(texts["secret-reference.yaml"])["secretName"] == "rlscale-secrets"
+    # the token goes from openssl into the Secret through a pipe, and back into the shell only
+    assert "openssl rand -base64 32 | tr -d '\\n' | kubectl create secret generic rlscale-ray-token" in texts["NOTES.md"]
+    assert "--from-file=auth_token=/dev/stdin" in texts["NOTES.md"]
+    assert "export RAY_JOB_AUTH_TOKEN=\"$(kubectl -n default get secret rlscale-ray-token" in texts["NOTES.md"]
 
 
 def test_a_secret_cannot_be_put_in_plain_env():
@@ -436,7 +471,7 @@ def test_a_render_replaces_the_last_one_whole(tmp_path, monkeypatch):
     (out).mkdir()
     (out / "my-notes.txt").write_text("mine")
     render_to_dir(ClusterSpec(), out)
-    assert (out / "podmonitoring.yaml").exists()
+    assert (out / "cluster" / "podmonitoring.yaml").exists()
     before = {name: (out / name).read_text() for name in FILES}
     # a full disk mid-render: the previous render stays whole, no temporary file is left
     real_write, writes = Path.write_text, []
@@ -452,15 +487,29 @@ def test_a_render_replaces_the_last_one_whole(tmp_path, monkeypatch):
         render_to_dir(ClusterSpec(name="other"), out)
     monkeypatch.undo()
     assert {name: (out / name).read_text() for name in FILES} == before
-    assert sorted(p.name for p in out.iterdir()) == sorted([*FILES, "my-notes.txt", ".rlscale-render"])
-    # monitoring off: the old podmonitoring.yaml goes, so `kubectl apply -f DIR` applies this render only
+    assert _tree(out) == sorted([*FILES, "my-notes.txt", ".rlscale-render"])
+    # monitoring off: the old podmonitoring.yaml goes, so `kubectl apply -f DIR/cluster/` applies this render only
     spec = ClusterSpec.model_validate({"monitoring": {"enabled": False}})
     render_to_dir(spec, out)
-    assert not (out / "podmonitoring.yaml").exists() and (out / "my-notes.txt").read_text() == "mine"
+    assert not (out / "cluster" / "podmonitoring.yaml").exists() and (out / "my-notes.txt").read_text() == "mine"
     # a podmonitoring.yaml the user wrote (no render wrote one since) is theirs: left alone
-    (out / "podmonitoring.yaml").write_text("# mine\n")
+    (out / "cluster" / "podmonitoring.yaml").write_text("# mine\n")
     render_to_dir(spec, out)
-    assert (out / "podmonitoring.yaml").read_text() == "# mine\n"
+    assert (out / "cluster" / "podmonitoring.yaml").read_text() == "# mine\n"
+
+
+def test_a_render_removes_the_top_level_manifests_of_an_older_layout(tmp_path):
+    """Renders before the cluster/ and job/ layout wrote raycluster.yaml, rayjob.yaml and the
+    secret-reference.yaml (no manifest) at the top: `kubectl apply -f DIR/` applied both clusters and failed."""
+    old = ("raycluster.yaml", "rayjob.yaml", "secret-reference.yaml", "podmonitoring.yaml")
+    for name in old:
+        (tmp_path / name).write_text("kind: Old\n")
+    (tmp_path / ".rlscale-render").write_text("".join(f"{n}\n" for n in old) + "NOTES.md\n")
+    (tmp_path / "mine.yaml").write_text("kind: Mine\n")  # never written by a render: kept
+    render_to_dir(ClusterSpec(), tmp_path)
+    assert not any((tmp_path / name).exists() for name in old)
+    top = {p.name for p in tmp_path.iterdir() if p.is_file()}
+    assert top == {"NOTES.md", ".rlscale-render", "mine.yaml"}
 
 
 def test_render_app_cli(tmp_path):
@@ -470,7 +519,11 @@ def test_render_app_cli(tmp_path):
 
     result = CliRunner().invoke(render_app, ["render", "--out", str(tmp_path / "m")])
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "m" / "raycluster.yaml").exists()
+    assert (tmp_path / "m" / "cluster" / "raycluster.yaml").exists()
+    result = CliRunner().invoke(render_app, ["render", "--out", str(tmp_path / "i"), "--insecure"])
+    assert result.exit_code == 0, result.output
+    assert "warning: insecure" in result.output
+    assert "authOptions" not in (tmp_path / "i" / "cluster" / "raycluster.yaml").read_text()
 
 
 # ------------------------------------------------------------------ the blueprint fragment
