@@ -334,6 +334,17 @@ def target_checks(nbytes: int, limits: dict, results: dict) -> dict[str, dict]:
     return checks
 
 
+def bench_directory(directory: Path | None) -> tuple[Path, bool]:
+    """`--dir`, created (a fresh temporary one when None); and whether it is the bench's own."""
+    own_dir = directory is None
+    directory = Path(tempfile.mkdtemp(prefix="rlscale-bench-ckpt-")) if own_dir else Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--dir {str(directory)!r} cannot be created: {exc.strerror}") from None
+    return directory, own_dir
+
+
 def run_benchmark(directory: Path | None, json_file: Path | None, size_gb: float, model: str | None,
                   device_name: str, writers: int, grpo_steps: int = 0, grpo_overrides: list[str] | None = None,
                   echo=print) -> dict:
@@ -343,14 +354,7 @@ def run_benchmark(directory: Path | None, json_file: Path | None, size_gb: float
         raise UserError(f"--model {model!r}: known models are {', '.join(MODELS)}")
     device = pick_device(device_name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    own_dir = directory is None
-    if own_dir:
-        directory = Path(tempfile.mkdtemp(prefix="rlscale-bench-ckpt-"))
-    directory = Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--dir {str(directory)!r} cannot be created: {exc.strerror}") from None
+    directory, own_dir = bench_directory(directory)
     worker = BenchWorker(qwen2_config(size_gb, model, dtype), device, dtype, writers)
     nbytes = worker.state_bytes()
     params = sum(p.numel() for p in worker.model.parameters())

@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from rlscale.bench import sync, write_result
-from rlscale.bench.ckpt import MODELS, _dcp_stagers, drop_cache, format_table, measure_limits, qwen2_config, target_checks
+from rlscale.bench.ckpt import (MODELS, _dcp_stagers, bench_directory, drop_cache, format_table, measure_limits,
+                                qwen2_config, target_checks)
 from rlscale.ckpt import sharded
 from rlscale.errors import UserError
 from rlscale.workers.state_io import CheckpointableWorker, model_tensors, optimizer_moments, param_names
@@ -449,14 +450,7 @@ def run_ranked_benchmark(directory: Path | None, json_file: Path | None, size_gb
     device = pick_device(device_name)
     if config is None:
         config = qwen2_config(size_gb, model, torch.float32)
-    own_dir = directory is None
-    if own_dir:
-        directory = Path(tempfile.mkdtemp(prefix="rlscale-bench-ckpt-"))
-    directory = Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--dir {str(directory)!r} cannot be created: {exc.strerror}") from None
+    directory, own_dir = bench_directory(directory)
     work = Path(tempfile.mkdtemp(prefix="rlscale-bench-ranks-"))  # rendezvous and per-rank results
     try:
         mp.spawn(rank_main, args=(ranks, str(work / "rdzv"), config, device.type, str(directory), writers,
