@@ -240,11 +240,162 @@ class LossConfig(_Section):
     ratio_clip_max: float = Field(0.2, ge=0.0, description="clip ratio above at 1 + this")
     reference_policy_kl_penalty: float = Field(
         0.01, ge=0.0, description="k3 KL weight (beta); 0 drops the reference model")
-    token_level_loss: bool = Field(True, description="mean over all tokens of the global batch")
+    token_level_loss: bool = Field(
+        True, description="mean over all tokens of the global batch; false: a mean per sequence, then over the "
+        "sequences (loss_agg_mode says the same, by verl's names)")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = Field(
+        None, description="verl's names: token-mean (token_level_loss=true), seq-mean-token-mean "
+        "(token_level_loss=false), seq-mean-token-sum-norm (Dr. GRPO: each sequence's token sum over the "
+        "constant loss_scale_factor, then the mean over sequences; pair with grpo.normalize_rewards=false); "
+        "null = from token_level_loss")
+    loss_scale_factor: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False, description="Dr. GRPO's constant normaliser of seq-mean-token-sum-norm "
+        "(verl's key); null = policy.generation.max_new_tokens")
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="KL estimator on the sampled tokens, r = log(pi_ref / pi): k1 = -r, k2 = r^2 / 2, "
+        "k3 = exp(r) - r - 1 (NeMo-RL's key)")
+    kl_input_clamp_value: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False, description="clamp the KL's log-ratio r to [-c, c] first; null = "
+        "no clamp (NeMo-RL's key; its recipes use 20)")
+    kl_output_clamp_value: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False, description="clamp the KL estimate to [-c, c]; null = no clamp "
+        "(NeMo-RL's key; its recipes use 10)")
+    sequence_level_importance_ratios: bool = Field(
+        False, description="GSPO: one ratio per sequence, exp of the mean token log-ratio, clipped to "
+        "[1 - sequence_ratio_clip_min, 1 + sequence_ratio_clip_max]; needs token_level_loss=false (NeMo-RL's key)")
+    sequence_ratio_clip_min: float | None = Field(
+        None, description="GSPO's clip below, in (0, 1) (the paper: 3e-4); null = ratio_clip_min")
+    sequence_ratio_clip_max: float | None = Field(
+        None, description="GSPO's clip above, in (0, 1) (the paper: 4e-4); null = ratio_clip_max")
+    use_importance_sampling_correction: bool = Field(
+        False, description="weight each token's policy-gradient term by pi_old / pi_sampler, the rollout "
+        "engine's logprobs (sampler/trainer mismatch; needs policy.generation.backend=engine; NeMo-RL's key)")
+    truncated_importance_sampling_ratio: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False, description="upper bound of the importance weight; null = not "
+        "truncated (NeMo-RL's key)")
+    truncated_importance_sampling_ratio_min: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False, description="lower bound for icepop and seq-mask-tis (NeMo-RL's key)")
+    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = Field(
+        None, description="tis: clamp weights to the ratio; icepop: zero tokens whose weight is outside "
+        "[ratio_min, ratio]; seq-mask-tis: zero sequences whose geometric-mean weight is outside it (NeMo-RL's key)")
     skip_zero_advantage: bool = Field(
         True, description="leave samples with a zero advantage (their group's rewards all agree) out of the "
                           "update's forward and backward: with reference_policy_kl_penalty=0 their gradient is "
                           "exactly 0; with a KL penalty every sample is trained")
+
+    @model_validator(mode="after")
+    def _check_variants(self) -> LossConfig:
+        """The loss variants' keys against each other (rlscale.grpo.loss; docs/training.md)."""
+        mode, explicit = self.loss_agg_mode, "token_level_loss" in self.model_fields_set
+        if mode in ("token-mean", "seq-mean-token-mean") and explicit \
+                and self.token_level_loss != (mode == "token-mean"):
+            raise ValueError(f"loss.loss_agg_mode={mode} and loss.token_level_loss="
+                             f"{str(self.token_level_loss).lower()} disagree: set one of them")
+        if mode == "seq-mean-token-sum-norm" and explicit:
+            raise ValueError("loss.loss_agg_mode=seq-mean-token-sum-norm replaces loss.token_level_loss: "
+                             "set one of them")
+        if self.loss_scale_factor is not None and mode != "seq-mean-token-sum-norm":
+            raise ValueError(f"loss.loss_scale_factor={self.loss_scale_factor:g} is only read by "
+                             "loss.loss_agg_mode=seq-mean-token-sum-norm")
+        gspo = self.sequence_level_importance_ratios
+        for key in ("sequence_ratio_clip_min", "sequence_ratio_clip_max"):
+            value = getattr(self, key)
+            if value is not None and not gspo:
+                raise ValueError(f"loss.{key}={value:g} needs loss.sequence_level_importance_ratios=true (GSPO)")
+        if gspo:
+            if self.aggregation != "seq-mean-token-mean":
+                raise ValueError("loss.sequence_level_importance_ratios=true (GSPO) needs a mean per sequence: "
+                                 "loss.token_level_loss=false (NeMo-RL's rule)")
+            for key, value in (("sequence_ratio_clip_min", self.sequence_clip[0]),
+                               ("sequence_ratio_clip_max", self.sequence_clip[1])):
+                if not 0.0 < value < 1.0:
+                    raise ValueError(f"loss.{key}={value:g} (GSPO's clip range) must be in (0, 1)")
+        kind, top, low = (self.truncated_importance_sampling_type, self.truncated_importance_sampling_ratio,
+                          self.truncated_importance_sampling_ratio_min)
+        if top is not None and not self.use_importance_sampling_correction:
+            raise ValueError("loss.truncated_importance_sampling_ratio needs "
+                             "loss.use_importance_sampling_correction=true")
+        if top is None and (kind is not None or low is not None):
+            raise ValueError("loss.truncated_importance_sampling_type and _ratio_min need "
+                             "loss.truncated_importance_sampling_ratio (the upper bound) set")
+        if top is not None and kind is None:
+            raise ValueError("loss.truncated_importance_sampling_ratio needs loss.truncated_importance_sampling_type "
+                             "(tis, icepop or seq-mask-tis)")
+        if kind in ("icepop", "seq-mask-tis") and (low is None or low > top):
+            raise ValueError(f"loss.truncated_importance_sampling_type={kind} needs "
+                             f"loss.truncated_importance_sampling_ratio_min at most the ratio ({top:g})")
+        if kind == "tis" and low is not None:
+            raise ValueError("loss.truncated_importance_sampling_ratio_min is not read by tis "
+                             "(icepop and seq-mask-tis)")
+        if kind == "seq-mask-tis" and gspo:
+            raise ValueError("loss.truncated_importance_sampling_type=seq-mask-tis (token weights, sequence masks) "
+                             "and loss.sequence_level_importance_ratios=true do not combine (NeMo-RL's rule)")
+        return self
+
+    @property
+    def aggregation(self) -> str:
+        """loss_agg_mode, or the mode token_level_loss means."""
+        return self.loss_agg_mode or ("token-mean" if self.token_level_loss else "seq-mean-token-mean")
+
+    @property
+    def sequence_clip(self) -> tuple[float, float]:
+        """GSPO's (clip_low, clip_high)."""
+        low, high = self.sequence_ratio_clip_min, self.sequence_ratio_clip_max
+        return (self.ratio_clip_min if low is None else low, self.ratio_clip_max if high is None else high)
+
+    @property
+    def whole_sequences(self) -> bool:
+        """The loss of a token depends on its sequence's other tokens (GSPO, seq-mask-tis)."""
+        return self.sequence_level_importance_ratios or (
+            self.use_importance_sampling_correction and self.truncated_importance_sampling_type == "seq-mask-tis")
+
+
+def check_loss(cfg: Config) -> None:
+    """The loss's keys that depend on other sections."""
+    if cfg.loss.use_importance_sampling_correction and cfg.policy.generation.backend != "engine":
+        raise ValueError(f"loss.use_importance_sampling_correction=true needs the sampler's logprobs, which "
+                         f"policy.generation.backend={cfg.policy.generation.backend} does not return (use engine)")
+
+
+class RewardShapingConfig(_Section):
+    enabled: bool = Field(False, description="add DAPO's overlong soft penalty to each reward: 0 up to "
+                          "max_response_length - overlong_buffer_length tokens, then falling linearly to "
+                          "-overlong_buffer_penalty at max_response_length (NeMo-RL's keys)")
+    overlong_buffer_length: int | None = Field(
+        None, ge=1, description="tokens before max_response_length over which the penalty grows; null = a fifth "
+        "of max_response_length (DAPO's 4096 of 20480; NeMo-RL requires a number)")
+    overlong_buffer_penalty: float | None = Field(1.0, ge=0.0, allow_inf_nan=False,
+                                                  description="the penalty at max_response_length (DAPO: 1.0)")
+    max_response_length: int | None = Field(None, ge=1, description="response length of the full penalty; "
+                                            "null = policy.generation.max_new_tokens")
+
+
+def check_overlong(cfg: Config) -> None:
+    """grpo.reward_shaping against the generation's length; grpo.overlong_filtering against the loss."""
+    if cfg.grpo.overlong_filtering and cfg.loss.aggregation != "token-mean":
+        # NeMo-RL drops a filtered sample from the sequence count too; the workers' per-sequence
+        # normaliser is the optimizer step's sample count (policy.train_global_batch_size)
+        raise ValueError(f"grpo.overlong_filtering=true takes truncated samples out of the token-mean loss only; "
+                         f"with loss.loss_agg_mode={cfg.loss.aggregation} (a mean over sequences) they would "
+                         "still count as sequences, unlike NeMo-RL: use loss.token_level_loss=true")
+    shaping = cfg.grpo.reward_shaping
+    if not shaping.enabled:
+        return
+    if shaping.overlong_buffer_penalty is None:
+        raise ValueError("grpo.reward_shaping.enabled=true needs grpo.reward_shaping.overlong_buffer_penalty "
+                         "(null here)")
+    longest, buffer = overlong_lengths(cfg)
+    if buffer >= longest:
+        raise ValueError(f"grpo.reward_shaping.overlong_buffer_length={buffer} is not shorter "
+                         f"than max_response_length={longest}: every response would be penalised (shorten the "
+                         "buffer or raise grpo.reward_shaping.max_response_length)")
+
+
+def overlong_lengths(cfg: Config) -> tuple[int, int]:
+    """grpo.reward_shaping's (max_response_length, overlong_buffer_length), nulls resolved."""
+    shaping = cfg.grpo.reward_shaping
+    longest = shaping.max_response_length or cfg.policy.generation.max_new_tokens
+    return longest, shaping.overlong_buffer_length or max(1, longest // 5)
 
 
 class GRPOConfig(_Section):
@@ -253,6 +404,14 @@ class GRPOConfig(_Section):
     max_num_steps: int = Field(200, ge=1, description="GRPO steps in the run")
     normalize_rewards: bool = Field(True, description="divide advantages by the group std where non-zero")
     use_leave_one_out_baseline: bool = Field(True, description="baseline = mean of the other samples")
+    advantage_std: Literal["baseline_samples", "group"] = Field(
+        "baseline_samples", description="the std normalize_rewards divides by: of the samples the baseline "
+        "averages (NeMo-RL's rule: under leave-one-out each sample's std of the others) or of the whole group")
+    overlong_filtering: bool = Field(
+        False, description="truncated samples (max_new_tokens reached without a stop) get no loss and leave the "
+        "loss's normaliser, but keep their reward in their group's baseline (DAPO; NeMo-RL's key)")
+    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig,
+                                                description="DAPO's overlong soft penalty (NeMo-RL's keys)")
     val_period: int = Field(50, ge=0, description="validate every N steps; 0 = only at start/end")
     val_at_start: bool = Field(True, description="validate before the first step")
     val_at_end: bool = Field(True, description="validate after the last step")
@@ -459,6 +618,8 @@ class Config(_Section):
             self.checkpointing.lustre_stripe_count = stripe_count(
                 "ranks", self.cluster.num_nodes * self.cluster.gpus_per_node)
         check_tensor_parallel(self)
+        check_loss(self)
+        check_overlong(self)
         ckpt = self.checkpointing
         if not ckpt.enabled and ckpt.resume not in ("auto", "never"):
             raise ValueError(f"checkpointing.resume={ckpt.resume} needs checkpointing.enabled=true "
@@ -500,7 +661,8 @@ class DerivedSizes:
 # The metrics a checkpoint's manifest records, i.e. what checkpointing.metric_name can rank by
 # (val/* only at validated steps); a test keeps this list equal to what a run writes.
 RANKABLE_METRICS = (
-    "accuracy", "grpo/zero_std_groups", "prompt/cut_fraction", "response/length_mean", "response/truncated_fraction",
+    "accuracy", "grpo/overlong_filtered_fraction", "grpo/overlong_penalty_mean", "grpo/zero_std_groups",
+    "prompt/cut_fraction", "response/length_mean", "response/truncated_fraction",
     "reward/errors", "reward/mean", "reward/std", "reward/timeouts", "train/clip_fraction", "train/entropy",
     "train/grad_norm", "train/kl", "train/loss", "train/lr", "train/skipped_fraction", "train/token_mult_prob_error",
     "val/accuracy", "val/pass_at_1", "val/response_length", "val/reward_mean",
@@ -539,6 +701,11 @@ def config_notes(cfg: Config) -> list[str]:
         notes.append(f"warning: policy.master_weights=bf16 at policy.optimizer.lr={lr:g}: an AdamW step changes only "
                      f"~{bf16_update_kept_fraction(lr):.0%} of bf16 weights of scale 0.02 (the rest round away); use "
                      "master_weights=fp32 or bf16_stochastic (auto, the default, picks one of them)")
+    most, (full, buffer) = cfg.policy.generation.max_new_tokens, overlong_lengths(cfg)
+    if grpo.reward_shaping.enabled and full - buffer >= most:
+        notes.append(f"note: grpo.reward_shaping penalises responses longer than {full - buffer} tokens "
+                     f"(max_response_length - overlong_buffer_length), but policy.generation.max_new_tokens={most} "
+                     "stops them sooner: no response is penalised")
     if ckpt.enabled and ckpt.metric_name and ckpt.metric_name not in RANKABLE_METRICS:
         notes.append(f"note: checkpointing.metric_name={ckpt.metric_name} is not a metric a checkpoint records, so "
                      f"checkpoints are kept by recency; it can be one of {', '.join(RANKABLE_METRICS)}")

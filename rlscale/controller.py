@@ -24,11 +24,12 @@ import torch
 from rlscale.ckpt import Checkpointer, SaveReport
 from rlscale.ckpt.faults import maybe_fault
 from rlscale.ckpt.layout import read_manifest
-from rlscale.config import Config, derive_sizes
+from rlscale.config import Config, derive_sizes, overlong_lengths
 from rlscale.data import PromptLoader, build_datasets
 from rlscale.errors import OOM_PHASES, OutOfMemory, UserError, advice_for, is_out_of_memory, out_of_memory
 from rlscale.evaluate import EvalResult, evaluate, is_correct
 from rlscale.grpo import carries_gradient, group_advantages
+from rlscale.grpo.shaping import in_loss, overlong_penalty
 from rlscale.preemption import EXIT_DEADLINE, Deadline, RunStopped, StopRequests, StopSignals, save_fits
 from rlscale.rewards import RewardScorer
 from rlscale.rollout.sampling import SamplingParams
@@ -103,11 +104,14 @@ class Run:
             if failures:
                 self.print_once("reward failures", progress, failures)
             self.abandon_step_if_stopping()
-            rewards = torch.tensor(scores.rewards).view(P, G)
-            advantages = group_advantages(rewards, cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards)
+            scored = torch.tensor(scores.rewards).view(P, G)  # the verifier's: reward/* and accuracy
+            rewards, penalties = shape_rewards(cfg, scored, rollouts)  # what the advantages see
+            advantages = group_advantages(rewards, cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards,
+                                          std_of=cfg.grpo.advantage_std)
             with timer.section("train"):
                 metrics = train_on_rollouts(cfg, group, rollouts, advantages.flatten().tolist(), step, self.pad_id)
-            metrics.update(sample_metrics(rollouts, rewards, scores))  # before the save: metric_name may rank by them
+            metrics.update(sample_metrics(rollouts, scored, scores))  # before the save: metric_name may rank by them
+            metrics["grpo/overlong_penalty_mean"] = float(penalties.mean())
             state.step = step
             state.loader = self.loader.state_dict()
             if cfg.grpo.val_period and step % cfg.grpo.val_period == 0:
@@ -249,21 +253,35 @@ def generate_rollouts(group, texts: list[str], params: SamplingParams) -> Rollou
                       ("prompt_ids", "response_ids", "texts", "truncated", "logprobs", "prompt_cut")))
 
 
+def shape_rewards(cfg: Config, rewards: torch.Tensor, rollouts: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rewards the advantages are computed from, and the overlong penalty each got (zeros
+    with grpo.reward_shaping off), both shaped like `rewards` (rlscale.grpo.shaping)."""
+    shaping = cfg.grpo.reward_shaping
+    if not shaping.enabled:
+        return rewards, torch.zeros_like(rewards)
+    lengths = torch.tensor([len(r) for r in rollouts.response_ids]).view(rewards.shape)
+    penalties = overlong_penalty(lengths, *overlong_lengths(cfg), shaping.overlong_buffer_penalty)
+    return rewards + penalties, penalties
+
+
 def train_on_rollouts(cfg: Config, group, rollouts: Rollouts, advantages: list[float], step: int,
                       pad_id: int) -> dict[str, float]:
     """Shuffle samples, cut them into optimizer steps, shard each step's trained samples over the
-    workers (samples without a gradient, see `carries_gradient`, only count in the normaliser)."""
+    workers (samples without a gradient, see `carries_gradient`, only count in the normaliser;
+    samples overlong filtering takes out of the loss, see `in_loss`, are neither trained nor counted)."""
     sizes = derive_sizes(cfg)
     generator = torch.Generator().manual_seed((cfg.grpo.seed * 100_003 + step) % 2**63)  # any seed in range
     order = torch.randperm(len(advantages), generator=generator)
     order = order.tolist()
-    trains = carries_gradient(advantages, cfg.loss.reference_policy_kl_penalty, cfg.loss.skip_zero_advantage)
+    counted = in_loss(rollouts.truncated, cfg.grpo.overlong_filtering)
+    trains = [c and t for c, t in zip(counted, carries_gradient(advantages, cfg.loss.reference_policy_kl_penalty,
+                                                                cfg.loss.skip_zero_advantage))]
     gbs = cfg.policy.train_global_batch_size
     per_worker: list[list] = [[] for _ in range(group.world_size)]
     global_tokens, trained_tokens = [], []
     for start in range(0, len(order), gbs):
         chosen = order[start:start + gbs]
-        global_tokens.append(float(sum(len(rollouts.response_ids[i]) for i in chosen)))
+        global_tokens.append(float(sum(len(rollouts.response_ids[i]) for i in chosen if counted[i])))
         trained = [i for i in chosen if trains[i]]  # split after the cut: the optimizer steps stay the same
         trained_tokens.append(float(sum(len(rollouts.response_ids[i]) for i in trained)))
         for rank, shard in enumerate(split_evenly(trained, group.world_size)):
@@ -279,7 +297,8 @@ def train_on_rollouts(cfg: Config, group, rollouts: Rollouts, advantages: list[f
               if key not in ("grad_norm", "lr") and key not in memory}
     summed.update(grad_norm=results[0]["grad_norm"], lr=results[0]["lr"],
                   skipped_fraction=1.0 - sum(trains) / max(len(trains), 1))
-    return {**{f"train/{k}": v for k, v in summed.items()}, **memory}
+    return {**{f"train/{k}": v for k, v in summed.items()}, **memory,
+            "grpo/overlong_filtered_fraction": 1.0 - sum(counted) / max(len(counted), 1)}
 
 
 def validate(cfg: Config, group, problems, scorer, step: int = 0) -> EvalResult:

@@ -44,7 +44,7 @@ PACKING = "rlscale always packs whole samples into micro-batches of policy.train
 NEMO_ONLY_SECTIONS = (
     "policy.megatron_cfg.", "policy.dtensor_cfg.", "policy.sequence_packing.", "policy.dynamic_batching.",
     "policy.generation.vllm_cfg.", "policy.generation.colocated.", "policy.tokenizer.", "policy.optimizer.kwargs.",
-    "grpo.reward_shaping.", "grpo.reward_scaling.", "grpo.async_grpo.", "env.", "logger.gpu_monitoring.",
+    "grpo.reward_scaling.", "grpo.async_grpo.", "env.", "logger.gpu_monitoring.",
     "logger.swanlab.", "logger.tensorboard.",
 )
 
@@ -63,18 +63,16 @@ IGNORED: dict[str, Ignored] = {
     # grpo
     "grpo.max_rollout_turns": Ignored("rlscale's math task is one turn (prompt, answer)", 1),
     "grpo.max_num_epochs": Ignored("rlscale runs grpo.max_num_steps steps, passing over the data as often as needed"),
-    "grpo.overlong_filtering": Ignored("rlscale trains on truncated responses too (reported as "
-                                       "response/truncated_fraction)", False),
     "grpo.val_batch_size": Ignored("rlscale generates all grpo.max_val_samples problems of a validation together"),
     "grpo.use_dynamic_sampling": Ignored("rlscale samples grpo.num_prompts_per_step prompts a step, zero-std "
                                          "groups included (loss.skip_zero_advantage leaves them out of the update)",
                                          False),
     "grpo.dynamic_sampling_max_gen_batches": Ignored("no dynamic sampling in rlscale"),
     "grpo.batch_multiplier": Ignored("no dynamic sampling in rlscale", 1),
-    "grpo.reward_shaping.enabled": Ignored("rlscale's reward is the verifier's (rewards.function)", False),
-    "grpo.reward_shaping.overlong_buffer_length": Ignored("reward shaping is off"),
-    "grpo.reward_shaping.overlong_buffer_penalty": Ignored("reward shaping is off"),
-    "grpo.reward_shaping.max_response_length": Ignored("reward shaping is off"),
+    # grpo.overlong_filtering and grpo.reward_shaping.{enabled, overlong_buffer_length, overlong_buffer_penalty,
+    # max_response_length} are rlscale's keys too (rlscale.grpo.shaping); newer NeMo-RL's other shaping is not
+    "grpo.reward_shaping.stop_properly_penalty_coef": Ignored(
+        "rlscale's reward shaping is DAPO's overlong penalty (grpo.reward_shaping.overlong_*)", None),
     "grpo.reward_scaling.enabled": Ignored("rlscale's reward is the verifier's (rewards.function)", False),
     "grpo.reward_scaling.source_min": Ignored("reward scaling is off"),
     "grpo.reward_scaling.source_max": Ignored("reward scaling is off"),
@@ -89,14 +87,10 @@ IGNORED: dict[str, Ignored] = {
     "loss_fn.ratio_clip_c": Ignored("rlscale's policy loss is the two-sided clip of loss.ratio_clip_min/max "
                                     "(no dual clip)", None),
     "loss_fn.use_on_policy_kl_approximation": Ignored("rlscale's KL is the k3 estimate on the sampled tokens", False),
-    "loss_fn.use_importance_sampling_correction": Ignored("rlscale is on-policy: no importance-sampling correction",
-                                                          False),
-    "loss_fn.truncated_importance_sampling_ratio": Ignored("no importance-sampling correction in rlscale", None),
-    "loss_fn.sequence_level_importance_ratios": Ignored("rlscale's ratios are per token", False),
-    "loss_fn.reference_policy_kl_type": Ignored("rlscale's KL is the k3 estimate", "k3"),
+    # loss_fn.use_importance_sampling_correction, truncated_importance_sampling_ratio(_min, _type),
+    # sequence_level_importance_ratios, reference_policy_kl_type, kl_input/output_clamp_value: rlscale's
+    # loss.* keys of the same names (rlscale.grpo.loss)
     "loss_fn.force_on_policy_ratio": Ignored("rlscale takes the ratio against the rollout's logprobs", False),
-    "loss_fn.kl_input_clamp_value": Ignored("rlscale does not clamp the KL's log-ratio", None),
-    "loss_fn.kl_output_clamp_value": Ignored("rlscale does not clamp the KL estimate", None),
     # checkpointing
     "checkpointing.model_save_format": Ignored("rlscale saves safetensors (rlscale ckpt export writes a HF model "
                                                "directory)"),

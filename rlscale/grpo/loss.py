@@ -1,4 +1,10 @@
-"""Clipped policy loss with a k3 KL penalty, per token; the caller chooses the normaliser."""
+"""Clipped policy loss with a KL penalty (k1, k2 or k3), per token; the caller chooses the normaliser.
+
+Variants (docs/training.md): GSPO's sequence-level ratio (`sequence_level`), the sampler/trainer
+mismatch correction of NeMo-RL (`importance_weights`, passed in as `is_weights`), and NeMo-RL's
+KL estimators and clamps (`kl_estimate`). With the defaults the loss is GRPO's with the k3 KL,
+the same arithmetic as before these variants existed.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +14,45 @@ from typing import Callable
 
 import torch
 
+KL_TYPES = ("k1", "k2", "k3")
+IS_TYPES = ("tis", "icepop", "seq-mask-tis")
+
 
 @dataclass
 class LossTerms:
     """Per-token terms, each [batch, tokens]; multiply by the mask before reducing."""
 
-    loss: torch.Tensor  # policy-gradient loss + beta * kl
-    kl: torch.Tensor  # k3 estimate of KL(policy || reference)
+    loss: torch.Tensor  # is_weight * policy-gradient loss + beta * kl
+    kl: torch.Tensor  # estimate of KL(policy || reference) (kl_type)
     clipped: torch.Tensor  # 1.0 where the clipped branch was taken
-    ratio: torch.Tensor  # pi / pi_old
+    ratio: torch.Tensor  # pi / pi_old (GSPO: the sequence's, on each of its tokens)
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str = "k3",
+                input_clamp: float | None = None, output_clamp: float | None = None) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' logprobs (Schulman,
+    http://joschu.net/blog/kl-approx.html), NeMo-RL's calculate_kl: with r = ref - logp,
+    k1 = -r, k2 = r²/2, k3 = exp(r) - r - 1; input_clamp clamps r to [-c, c] first,
+    output_clamp the estimate to [-c, c] after (None: no clamp)."""
+    log_ratio = ref_logprobs - logprobs
+    if input_clamp is not None:
+        log_ratio = log_ratio.clamp(-input_clamp, input_clamp)
+    if kl_type == "k3":
+        kl = torch.exp(log_ratio) - log_ratio - 1.0
+    elif kl_type == "k2":
+        kl = log_ratio.square() / 2
+    elif kl_type == "k1":
+        kl = -log_ratio
+    else:
+        raise ValueError(f"kl_type={kl_type!r}: expected one of {', '.join(KL_TYPES)}")
+    if output_clamp is not None:
+        kl = kl.clamp(-output_clamp, output_clamp)
+    return kl
+
+
+def masked_sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> [B, 1]: each row's mean over its masked tokens (0 for a row without one)."""
+    return (values * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1)
 
 
 def grpo_token_loss(
@@ -27,28 +63,116 @@ def grpo_token_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     kl_beta: float = 0.0,
+    kl_type: str = "k3",
+    kl_input_clamp: float | None = None,
+    kl_output_clamp: float | None = None,
+    sequence_level: bool = False,
+    mask: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> LossTerms:
     """PPO-style clipped surrogate, negated for minimisation.
 
     logprobs, old_logprobs, ref_logprobs: [B, T] log-probabilities of the sampled tokens.
     advantages: [B] (one per sequence) or [B, T].
     ratio clipped to [1 - clip_low, 1 + clip_high] (asymmetric clipping allowed);
-    k3 KL = exp(ref - logp) - (ref - logp) - 1, non-negative and unbiased (Schulman).
+    KL: `kl_estimate` (k3 by default: exp(ref - logp) - (ref - logp) - 1, non-negative, unbiased).
+    sequence_level (GSPO, arXiv 2507.18071): the ratio of every token of row i is
+    s_i = exp(mean over the row's masked tokens of (logp - old)), gradient flowing through the
+    mean, and clipped as a whole; needs `mask` [B, T] (1 on response tokens).
+    is_weights: detached per-token (or [B, 1]) weights multiplying the policy-gradient term,
+    not the KL (the sampler/trainer correction, see `importance_weights`).
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None]
-    ratio = torch.exp(logprobs - old_logprobs)
+    if sequence_level:
+        if mask is None:
+            raise ValueError("grpo_token_loss: sequence_level needs the response mask")
+        ratio = torch.exp(masked_sequence_mean(logprobs - old_logprobs, mask)).expand_as(logprobs)
+    else:
+        ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
     clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     clipped = clipped_ratio * advantages
     pg_loss = -torch.minimum(unclipped, clipped)
     took_clip = (clipped < unclipped).float()
+    if is_weights is not None:
+        pg_loss = is_weights * pg_loss
     if ref_logprobs is not None and kl_beta > 0:
-        log_ratio = ref_logprobs - logprobs
-        kl = torch.exp(log_ratio) - log_ratio - 1.0
+        kl = kl_estimate(logprobs, ref_logprobs, kl_type, kl_input_clamp, kl_output_clamp)
     else:
         kl = torch.zeros_like(logprobs)
     return LossTerms(loss=pg_loss + kl_beta * kl, kl=kl, clipped=took_clip, ratio=ratio)
+
+
+@dataclass
+class ImportanceWeights:
+    """The sampler/trainer correction of one batch, all detached, each [B, T] (or [B, 1] at the
+    sequence level): `weights` multiply the policy-gradient term; `raw` is pi_old / pi_sampler
+    before truncation; `kept` is 1.0 where the weight was left as it is (0.0: truncated or masked)."""
+
+    weights: torch.Tensor
+    raw: torch.Tensor
+    kept: torch.Tensor
+
+
+def importance_weights(old_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor | None = None,
+                       kind: str | None = None, ratio_max: float | None = None, ratio_min: float | None = None,
+                       sequence_level: bool = False) -> ImportanceWeights:
+    """NeMo-RL's correction for the mismatch between the sampler's logprobs (gen) and the trainer's
+    (old, pi_old), ClippedPGLossFn's `use_importance_sampling_correction`:
+    per token w = exp(old - gen); with sequence_level (GSPO) one weight per row,
+    exp(sum over its masked tokens of (old - gen)); inf / nan become 0. With ratio_max (NeMo-RL's
+    truncated_importance_sampling_ratio) and kind (truncated_importance_sampling_type):
+      tis:          w = min(w, ratio_max);
+      icepop:       w = 0 where w is outside [ratio_min, ratio_max];
+      seq-mask-tis: a row's every w = 0 where the row's geometric mean exp(mean(old - gen)) is
+                    outside [ratio_min, ratio_max]; the kept rows' token weights are not truncated.
+    mask [B, T]: response tokens (needed at the sequence level and by seq-mask-tis)."""
+    with torch.no_grad():
+        diff = old_logprobs - gen_logprobs
+        if sequence_level:
+            raw = torch.exp((diff * mask).sum(-1, keepdim=True))
+        else:
+            raw = torch.exp(diff)
+        raw = torch.nan_to_num(raw, nan=0.0, posinf=0.0, neginf=0.0)
+        kept = torch.ones_like(raw)
+        weights = raw
+        if ratio_max is not None:
+            if kind == "tis":
+                weights = raw.clamp(max=ratio_max)
+                kept = (raw <= ratio_max).to(raw.dtype)
+            elif kind == "icepop":
+                kept = ((raw >= ratio_min) & (raw <= ratio_max)).to(raw.dtype)
+                weights = raw * kept
+            elif kind == "seq-mask-tis":
+                log_ratio = torch.nan_to_num(diff, nan=0.0, posinf=0.0, neginf=0.0)
+                geo = torch.exp(masked_sequence_mean(log_ratio, mask))
+                kept = ((geo >= ratio_min) & (geo <= ratio_max)).to(raw.dtype).expand_as(raw)
+                weights = raw * kept
+            else:
+                raise ValueError(f"importance_weights: kind={kind!r}, expected one of {', '.join(IS_TYPES)}")
+        return ImportanceWeights(weights=weights, raw=raw, kept=kept)
+
+
+def loss_weights(mode: str, response_lengths: torch.Tensor, global_tokens: float, global_samples: float,
+                 scale: float | None = None) -> torch.Tensor:
+    """Each token's weight in the loss, per sample [B] (broadcast over its tokens): how the
+    per-token terms of a global batch of `global_samples` sequences and `global_tokens` response
+    tokens are reduced to one number (verl's loss_agg_mode names):
+      token-mean:              1 / global_tokens (every token counts the same);
+      seq-mean-token-mean:     1 / (length · global_samples) (a mean per sequence, then over them);
+      seq-mean-token-sum-norm: 1 / (scale · global_samples), scale a constant (Dr. GRPO, arXiv
+                               2503.20783: no length bias; TRL's loss_type="dr_grpo" with scale =
+                               max_completion_length)."""
+    if mode == "token-mean":
+        return torch.full(response_lengths.shape, 1.0 / global_tokens, dtype=torch.float32)
+    if mode == "seq-mean-token-mean":  # lengths of at least 1 (the caller's clamp)
+        return 1.0 / (response_lengths * global_samples)
+    if mode == "seq-mean-token-sum-norm":
+        if not scale or scale <= 0:
+            raise ValueError("loss_weights: seq-mean-token-sum-norm needs a positive scale")
+        return torch.full(response_lengths.shape, 1.0 / (scale * global_samples), dtype=torch.float32)
+    raise ValueError(f"loss_weights: unknown mode {mode!r}")
 
 
 def token_logprobs_and_entropy(

@@ -19,7 +19,7 @@ import torch
 
 from rlscale.config import Config, derive_sizes, token_budget
 from rlscale.errors import UserError
-from rlscale.grpo.loss import grpo_token_loss
+from rlscale.grpo.loss import grpo_token_loss, importance_weights, loss_weights
 from rlscale.models import PromptRenderer, load_tokenizer, pick_device, stop_token_ids
 from rlscale.models.logprob_head import packed_logprobs
 from rlscale.models.prompts import decode_responses
@@ -36,7 +36,7 @@ from rlscale.workers import distributed, precision, state_io
 
 # train metrics averaged over the trained tokens (not over every response token: a sample left out
 # of the update, see rlscale.grpo.carries_gradient, has no forward to measure them on)
-TRAINED_TOKEN_MEANS = ("entropy", "token_mult_prob_error")
+TRAINED_TOKEN_MEANS = ("entropy", "token_mult_prob_error", "is_ratio_mean", "is_weight_mean", "is_kept_fraction")
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
@@ -355,6 +355,12 @@ class PolicyWorker(state_io.CheckpointableWorker):
         keys = ["loss", "kl", "clip_fraction", "entropy"]
         if batch.gen_logprobs is not None:
             keys.append("token_mult_prob_error")
+        if self.cfg.loss.use_importance_sampling_correction:
+            if batch.gen_logprobs is None and len(batch.advantages):
+                raise UserError("loss.use_importance_sampling_correction=true needs the sampler's logprobs, and "
+                                "this run's generation returned none (transformers generate: the rollout engine "
+                                "does not support this model)")
+            keys += ["is_ratio_mean", "is_weight_mean", "is_kept_fraction"]
         sums = {key: torch.zeros((), device=self.device) for key in keys}
         # Every worker divides by the same global count; gradients are averaged over workers,
         # hence the world size.
@@ -402,21 +408,48 @@ class PolicyWorker(state_io.CheckpointableWorker):
         rows, cols = mb.rows, mb.cols  # on the host, like the batch they index
         mb = mb.to(self.device)
         advantages = to_device(batch.advantages[rows], self.device)
-        if loss_cfg.token_level_loss:  # every response token of the global batch weighs 1/tokens
-            weights = torch.full(advantages.shape, 1.0 / norm, device=self.device)
-        else:  # mean per sequence, then over the global batch's sequences
-            weights = to_device(1.0 / (response_lengths[rows] * seq_norm), self.device)
+        # token-mean: every response token of the global batch weighs 1/tokens; seq-mean-token-mean:
+        # mean per sequence, then over the global batch's sequences; seq-mean-token-sum-norm: Dr. GRPO
+        scale = loss_cfg.loss_scale_factor or self.cfg.policy.generation.max_new_tokens
+        weights = to_device(loss_weights(loss_cfg.aggregation, response_lengths, norm, seq_norm, scale)[rows],
+                            self.device)
+        gen = to_device(batch.gen_logprobs[rows, cols], self.device) if batch.gen_logprobs is not None else None
+        correct = loss_cfg.use_importance_sampling_correction and gen is not None  # None: refused above, or no sample
+        whole = loss_cfg.whole_sequences and len(rows) > 0
+        if whole:  # the pack's tokens as [sequences, positions], for the terms that take a sequence's tokens
+            _, local = torch.unique_consecutive(rows, return_inverse=True)
+            at = (to_device(local, self.device), to_device(cols, self.device))
+            shape = (int(local.max()) + 1, batch.response_mask.shape[1])
+
+            def dense(values):
+                return values.new_zeros(shape).index_put(at, values)
 
         def terms_of(logprobs, part=slice(None)):
             old_part = logprobs.detach() if old is None else old[part]
-            return grpo_token_loss(logprobs[None], old_part[None], advantages[part][None],
-                                   None if ref is None else ref[part][None], loss_cfg.ratio_clip_min,
-                                   loss_cfg.ratio_clip_max, loss_cfg.reference_policy_kl_penalty)
+            ref_part = None if ref is None else ref[part]
+            clip = loss_cfg.sequence_clip if loss_cfg.sequence_level_importance_ratios else \
+                (loss_cfg.ratio_clip_min, loss_cfg.ratio_clip_max)
+            kwargs = dict(clip_low=clip[0], clip_high=clip[1], kl_beta=loss_cfg.reference_policy_kl_penalty,
+                          kl_type=loss_cfg.reference_policy_kl_type, kl_input_clamp=loss_cfg.kl_input_clamp_value,
+                          kl_output_clamp=loss_cfg.kl_output_clamp_value)
+            if not whole:  # every term is a token's own: the pack as one row
+                weights_is = self._importance(old_part[None], gen[part][None], None) if correct else None
+                return grpo_token_loss(logprobs[None], old_part[None], advantages[part][None],
+                                       None if ref_part is None else ref_part[None], is_weights=weights_is, **kwargs)
+            mask = dense(torch.ones_like(logprobs))
+            weights_is = self._importance(dense(old_part), dense(gen), mask) if correct else None
+            terms = grpo_token_loss(dense(logprobs), dense(old_part), dense(advantages),
+                                    None if ref_part is None else dense(ref_part),
+                                    sequence_level=loss_cfg.sequence_level_importance_ratios, mask=mask,
+                                    is_weights=weights_is, **kwargs)
+            return dataclasses.replace(terms, **{f.name: getattr(terms, f.name)[at][None]
+                                                 for f in dataclasses.fields(terms)})
 
         def token_loss(logprobs, part=slice(None)):
             return terms_of(logprobs, part).loss[0] * weights[part]
 
-        if self.cfg.policy.fused_head_loss:
+        # a sequence's terms need all its tokens at once: the fused head sees one chunk at a time
+        if self.cfg.policy.fused_head_loss and not whole:
             logprobs, entropy, losses = self._logprobs(self.model, mb, True, token_loss)
         else:
             logprobs, entropy = self._logprobs(self.model, mb, True)
@@ -428,14 +461,34 @@ class PolicyWorker(state_io.CheckpointableWorker):
             # sampler agreement over the trained tokens (a skipped sample's are not computed)
             global_tokens = norm * self.world_size
             terms = terms_of(logprobs.detach())
-            if batch.gen_logprobs is not None:
+            if gen is not None:
                 # sampler vs trainer on the same tokens under pi_old: mean exp|difference|, 1.0 = identical
-                gen = to_device(batch.gen_logprobs[rows, cols], self.device)
                 pi_old = logprobs.detach() if old is None else old
                 sums["token_mult_prob_error"] += (gen - pi_old).abs().exp().sum() / trained_total
+            if correct and len(rows):
+                # the correction's statistics over the trained tokens (a sequence's weight on each of its tokens)
+                pi_old = logprobs.detach() if old is None else old
+                if whole:
+                    mask = dense(torch.ones_like(pi_old))
+                    stats = self._importance(dense(pi_old), dense(gen), mask, full=True)
+                    stats = [value.expand(shape)[at] for value in (stats.raw, stats.weights, stats.kept)]
+                else:
+                    stats = self._importance(pi_old[None], gen[None], None, full=True)
+                    stats = [value[0] for value in (stats.raw, stats.weights, stats.kept)]
+                for key, value in zip(("is_ratio_mean", "is_weight_mean", "is_kept_fraction"), stats):
+                    sums[key] += value.sum() / trained_total
             for key, per_token in (("loss", terms.loss[0]), ("kl", terms.kl[0]), ("clip_fraction", terms.clipped[0])):
                 sums[key] += per_token.sum() / global_tokens
             sums["entropy"] += entropy.sum() / trained_total
+
+    def _importance(self, old, gen, mask, full: bool = False):
+        """The sampler/trainer correction (rlscale.grpo.loss.importance_weights) by loss.*: its weights,
+        or with `full` all it computes."""
+        cfg = self.cfg.loss
+        out = importance_weights(old, gen, mask, cfg.truncated_importance_sampling_type,
+                                 cfg.truncated_importance_sampling_ratio, cfg.truncated_importance_sampling_ratio_min,
+                                 sequence_level=cfg.sequence_level_importance_ratios)
+        return out if full else out.weights
 
     # ------------------------------------------------------------------ state
 
