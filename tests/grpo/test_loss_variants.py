@@ -453,9 +453,12 @@ class _Accelerator:
 
     gather_for_metrics = gather
 
+    def reduce(self, tensor, reduction="sum"):  # one process: the reduction of one tensor is itself
+        return tensor
+
 
 class _TRLStub:
-    """The attributes of a GRPOTrainer that _compute_loss reads (TRL 0.19 to 0.2x)."""
+    """The attributes of a GRPOTrainer that _compute_loss reads (TRL 0.19 to 1.16)."""
 
     def __init__(self, logps, loss_type, level, beta, eps_low, eps_high, max_len):
         from collections import defaultdict
@@ -465,13 +468,18 @@ class _TRLStub:
         self.epsilon_low, self.epsilon_high, self.max_completion_length = eps_low, eps_high, max_len
         self.num_iterations, self.top_entropy_quantile, self.current_gradient_accumulation_steps = 2, 1.0, 1
         self.use_vllm, self.vllm_importance_sampling_correction, self.use_liger_loss = False, False, False
+        # TRL 1.x's options beyond plain GRPO, all off: OPSM, entropy bonus, router loss
+        self.aux_loss_enabled, self.off_policy_mask_threshold, self._entropy_bonus_enabled = False, None, False
+        self.use_adaptive_entropy, self.entropy_coef, self.router_aux_loss_coef = False, 0.0, 0.0
         self.accelerator = _Accelerator()
         self.model = types.SimpleNamespace(training=True)
         self.control = types.SimpleNamespace(should_evaluate=False)
         self._metrics = defaultdict(lambda: defaultdict(list))
-        self.args = types.SimpleNamespace(delta=None, epsilon=eps_low)
+        self.args = types.SimpleNamespace(delta=None, epsilon=eps_low, use_bias_correction_kl=False, steps_per_generation=1)
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        if "compute_aux_loss" in kwargs:  # TRL 1.x also returns an auxiliary loss
+            return self._logps, torch.zeros_like(self._logps), None
         return self._logps, torch.zeros_like(self._logps)
 
     def _get_per_token_logps(self, *args, **kwargs):
