@@ -278,14 +278,26 @@ class LossConfig(_Section):
     truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = Field(
         None, description="tis: clamp weights to the ratio; icepop: zero tokens whose weight is outside "
         "[ratio_min, ratio]; seq-mask-tis: zero sequences whose geometric-mean weight is outside it (NeMo-RL's key)")
+    use_kl_in_reward: bool = Field(
+        False, description="the KL penalty in the reward instead of the loss (REINFORCE++; verl's key): each "
+        "sample's reward minus reference_policy_kl_penalty × its summed per-token KL of the sampling policy to the "
+        "reference, before the advantages; the loss then has no KL term")
     skip_zero_advantage: bool = Field(
         True, description="leave samples with a zero advantage (their group's rewards all agree) out of the "
                           "update's forward and backward: with reference_policy_kl_penalty=0 their gradient is "
                           "exactly 0; with a KL penalty every sample is trained")
 
+    @property
+    def kl_in_loss(self) -> float:
+        """The KL term's weight in the loss: 0 when the KL goes into the reward (use_kl_in_reward)."""
+        return 0.0 if self.use_kl_in_reward else self.reference_policy_kl_penalty
+
     @model_validator(mode="after")
     def _check_variants(self) -> LossConfig:
         """The loss variants' keys against each other (rlscale.grpo.loss; docs/training.md)."""
+        if self.use_kl_in_reward and self.reference_policy_kl_penalty == 0:
+            raise ValueError("loss.use_kl_in_reward=true needs loss.reference_policy_kl_penalty > 0, the KL's "
+                             "weight in the reward (0 here: no reference model)")
         mode, explicit = self.loss_agg_mode, "token_level_loss" in self.model_fields_set
         if mode in ("token-mean", "seq-mean-token-mean") and explicit \
                 and self.token_level_loss != (mode == "token-mean"):
@@ -412,6 +424,16 @@ class GRPOConfig(_Section):
         "loss's normaliser, but keep their reward in their group's baseline (DAPO; NeMo-RL's key)")
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig,
                                                 description="DAPO's overlong soft penalty (NeMo-RL's keys)")
+    use_dynamic_sampling: bool = Field(
+        False, description="DAPO's dynamic sampling: drop groups whose rewards all agree and generate more "
+        "prompts until the step holds num_prompts_per_step informative groups (surplus ones are dropped); "
+        "NeMo-RL's key")
+    batch_multiplier: float = Field(
+        1.0, ge=1.0, allow_inf_nan=False, description="with dynamic sampling, a generation round draws "
+        "ceil(num_prompts_per_step × this) prompts (NeMo-RL's key)")
+    dynamic_sampling_max_gen_batches: int = Field(
+        10, ge=1, description="with dynamic sampling, the most generation rounds a step may take before the run "
+        "stops for want of informative groups (NeMo-RL's key)")
     val_period: int = Field(50, ge=0, description="validate every N steps; 0 = only at start/end")
     val_at_start: bool = Field(True, description="validate before the first step")
     val_at_end: bool = Field(True, description="validate after the last step")
@@ -419,6 +441,23 @@ class GRPOConfig(_Section):
     val_temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False,
                                    description="validation sampling temperature (0 = greedy)")
     seed: int = Field(42, ge=-(2**62), le=2**62, description="seeds data order, sampling and initialisation")
+
+    @model_validator(mode="after")
+    def _check_dynamic_sampling(self) -> GRPOConfig:
+        if not self.use_dynamic_sampling and self.batch_multiplier != 1:
+            raise ValueError(f"grpo.batch_multiplier={self.batch_multiplier:g} is only read with "
+                             "grpo.use_dynamic_sampling=true: set both, or drop batch_multiplier")
+        return self
+
+
+def prompts_per_generation(cfg: Config) -> int:
+    """The prompts one generation round of a step draws: num_prompts_per_step, or more with
+    dynamic sampling's grpo.batch_multiplier (rlscale.grpo.dynamic_sampling)."""
+    from rlscale.grpo.dynamic_sampling import prompts_per_round
+
+    g = cfg.grpo
+    return prompts_per_round(g.num_prompts_per_step, g.batch_multiplier) if g.use_dynamic_sampling \
+        else g.num_prompts_per_step
 
 
 class ArithmeticConfig(_Section):

@@ -24,21 +24,23 @@ import torch
 from rlscale.ckpt import Checkpointer, SaveReport
 from rlscale.ckpt.faults import maybe_fault
 from rlscale.ckpt.layout import read_manifest
-from rlscale.config import Config, derive_sizes, overlong_lengths
+from rlscale.config import Config, derive_sizes, overlong_lengths, prompts_per_generation
 from rlscale.data import PromptLoader, build_datasets
 from rlscale.errors import OOM_PHASES, OutOfMemory, UserError, advice_for, is_out_of_memory, out_of_memory
 from rlscale.evaluate import EvalResult, evaluate, is_correct
 from rlscale.grpo import carries_gradient, group_advantages
-from rlscale.grpo.shaping import in_loss, overlong_penalty
+from rlscale.grpo.dynamic_sampling import chosen_groups, informative_groups, sample_indices
+from rlscale.grpo.shaping import in_loss, kl_penalized_rewards, overlong_penalty
 from rlscale.preemption import EXIT_DEADLINE, Deadline, RunStopped, StopRequests, StopSignals, save_fits
 from rlscale.rewards import RewardScorer
+from rlscale.rewards.scorer import concat_scores
 from rlscale.rollout.sampling import SamplingParams
 from rlscale.run_dir import (TrainerState, already_finished, check_fresh_start, finished_summary, new_run_dirs,
                              prepare_run_dir, remove_if_empty, resume_choice, resume_or_start, write_start_files,
                              write_summary)
 from rlscale.telemetry import ProgressDisplay, StepTimer, build_sinks, print_note
 from rlscale.telemetry.memory import largest_over_workers
-from rlscale.workers.batch import Rollouts, build_train_batch
+from rlscale.workers.batch import Rollouts, build_train_batch, concat_rollouts, select_rollouts
 from rlscale.workers.group import LocalWorkerGroup, split_evenly
 from rlscale.workers.policy import PolicyWorker
 
@@ -71,7 +73,6 @@ class Run:
         """The GRPO loop, top to bottom. Returns the held-out metrics after training."""
         cfg, group, state = self.cfg, self.group, self.state
         sizes = derive_sizes(cfg)
-        P, G = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
         timer = StepTimer()
         self.last_saved = state.step if resumed_from else None
         progress.print(f"run dir {cfg.logger.log_dir}  |  {sizes.samples_per_step} samples/step, "
@@ -88,30 +89,18 @@ class Run:
                 self.stop()  # a safe point between steps; raises RunStopped
             step = self.position.step = state.step + 1
             step_started = time.perf_counter()
-            with timer.section("generate"):
-                problems = self.loader.next_batch(P)
-                texts = [p.text for p in problems for _ in range(G)]
-                answers = [p.answer for p in problems for _ in range(G)]
-                # keyed by the step: the samples do not depend on the RNG state a resume restores
-                rollouts = generate_rollouts(group, texts, sampling_params(cfg, seed=generation_seed(cfg, step)))
-            maybe_fault("loop.after_generate")
-            self.abandon_step_if_stopping()
-            with timer.section("reward"):
-                scores = self.scorer.score(rollouts.texts, answers)
-            if any(rollouts.prompt_cut):
-                self.print_once("prompt cut", progress, prompt_cut_note(cfg, step, rollouts))
-            failures = scores.check(cfg.rewards.function, f"step {step}")  # raises when every sample failed
-            if failures:
-                self.print_once("reward failures", progress, failures)
-            self.abandon_step_if_stopping()
-            scored = torch.tensor(scores.rewards).view(P, G)  # the verifier's: reward/* and accuracy
-            rewards, penalties = shape_rewards(cfg, scored, rollouts)  # what the advantages see
-            advantages = group_advantages(rewards, cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards,
-                                          std_of=cfg.grpo.advantage_std)
+            batch = self.sample(step, timer, progress)  # generated and scored; more rounds with dynamic sampling
+            rewards, kl_metrics = batch.rewards, {}
+            if cfg.loss.use_kl_in_reward:  # REINFORCE++: the KL penalty moves from the loss into the reward
+                with timer.section("train"):
+                    rewards, kl_metrics = subtract_kl(cfg, group, batch, self.pad_id)
+            advantages = group_advantages(rewards, cfg.grpo.use_leave_one_out_baseline,
+                                          cfg.grpo.normalize_rewards, std_of=cfg.grpo.advantage_std)
             with timer.section("train"):
-                metrics = train_on_rollouts(cfg, group, rollouts, advantages.flatten().tolist(), step, self.pad_id)
-            metrics.update(sample_metrics(rollouts, scored, scores))  # before the save: metric_name may rank by them
-            metrics["grpo/overlong_penalty_mean"] = float(penalties.mean())
+                metrics = train_on_rollouts(cfg, group, batch.rollouts, advantages.flatten().tolist(), step,
+                                            self.pad_id)
+            metrics.update(batch.metrics)  # before the save: metric_name may rank by them
+            metrics.update(kl_metrics)
             state.step = step
             state.loader = self.loader.state_dict()
             if cfg.grpo.val_period and step % cfg.grpo.val_period == 0:
@@ -125,7 +114,7 @@ class Run:
             for committed in self.checkpointer.poll():  # saves whose background persist has finished
                 metrics.update(self.committed(committed))
             metrics.update(timer.pop())
-            metrics.update(throughput_metrics(rollouts, time.perf_counter() - step_started))
+            metrics.update(throughput_metrics(batch.generated, time.perf_counter() - step_started))
             metrics["data/epoch"] = self.loader.epoch
             self.sinks.log(step, metrics)
             progress.update(step, metrics)
@@ -148,6 +137,66 @@ class Run:
         if final:
             self.sinks.log(state.step, final)
         return eval_after
+
+    def sample(self, step: int, timer: StepTimer, progress: ProgressDisplay) -> StepBatch:
+        """The step's groups, generated and scored: grpo.num_prompts_per_step prompts in one round,
+        or, with grpo.use_dynamic_sampling, rounds of more prompts until that many groups have
+        rewards that differ (rlscale.grpo.dynamic_sampling). The loader's position advances by every
+        round's prompts, and each round's sampling is keyed by the step and the round, so a resumed
+        run draws the same rounds."""
+        cfg = self.cfg
+        P, G = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
+        dynamic, rounds = cfg.grpo.use_dynamic_sampling, []
+        informative: list[bool] = []
+        while True:
+            problems = self.loader.next_batch(prompts_per_generation(cfg))
+            with timer.section("generate"):
+                texts = [p.text for p in problems for _ in range(G)]
+                # keyed by the step: the samples do not depend on the RNG state a resume restores
+                seed = generation_seed(cfg, step, "rollout" if not rounds else f"rollout round {len(rounds) + 1}")
+                rollouts = generate_rollouts(self.group, texts, sampling_params(cfg, seed=seed))
+            maybe_fault("loop.after_generate")
+            self.abandon_step_if_stopping()
+            with timer.section("reward"):
+                scores = self.scorer.score(rollouts.texts, [p.answer for p in problems for _ in range(G)])
+            if any(rollouts.prompt_cut):
+                self.print_once("prompt cut", progress, prompt_cut_note(cfg, step, rollouts))
+            failures = scores.check(cfg.rewards.function, f"step {step}")  # raises when every sample failed
+            if failures:
+                self.print_once("reward failures", progress, failures)
+            self.abandon_step_if_stopping()
+            scored = torch.tensor(scores.rewards).view(len(problems), G)  # the verifier's: reward/* and accuracy
+            rewards, penalties = shape_rewards(cfg, scored, rollouts)  # what the advantages see
+            rounds.append((rollouts, scores, scored, rewards, penalties))
+            if not dynamic:
+                break
+            informative += informative_groups(rewards)
+            if sum(informative) >= P:
+                break
+            if len(rounds) == cfg.grpo.dynamic_sampling_max_gen_batches:
+                raise UserError(self.too_few_informative_groups(step, sum(informative), len(rounds)))
+        generated = concat_rollouts([r[0] for r in rounds])
+        scores = concat_scores([r[1] for r in rounds])
+        scored, rewards, penalties = (torch.cat([r[i] for r in rounds]) for i in (2, 3, 4))
+        metrics = sample_metrics(generated, scored, scores)  # what the policy generated, all rounds
+        metrics["grpo/overlong_penalty_mean"] = float(penalties.mean())
+        if not dynamic:
+            return StepBatch(generated, rewards, generated, metrics)
+        groups = chosen_groups(informative, P)
+        metrics.update({"grpo/refill_rounds": float(len(rounds)),
+                        "grpo/dropped_groups": float(len(informative) - sum(informative)),
+                        "grpo/surplus_groups": float(sum(informative) - P)})
+        return StepBatch(select_rollouts(generated, sample_indices(groups, G)), rewards[groups], generated, metrics)
+
+    def too_few_informative_groups(self, step: int, found: int, rounds: int) -> str:
+        cfg = self.cfg
+        newest = self.checkpointer.latest() if cfg.checkpointing.enabled else None
+        return (f"step {step}: dynamic sampling found {found} of the {cfg.grpo.num_prompts_per_step} groups it needs "
+                f"(grpo.num_prompts_per_step) whose rewards differ, in {rounds} generation rounds of "
+                f"{prompts_per_generation(cfg)} prompts (grpo.dynamic_sampling_max_gen_batches={rounds}); raise "
+                "grpo.dynamic_sampling_max_gen_batches or grpo.batch_multiplier, or train on data of a difficulty "
+                "the model sometimes solves; " + (f"{newest} is the newest checkpoint" if newest
+                                                  else "no checkpoint is saved yet"))
 
     def print_once(self, what: str, progress: ProgressDisplay, line: str) -> None:
         """Say `line` the first time `what` happens in this run (a metric counts it every step)."""
@@ -220,6 +269,17 @@ class Run:
 # ------------------------------------------------------------------ the step's parts
 
 
+@dataclass
+class StepBatch:
+    """A step's samples: those trained on (rollouts; rewards [groups, G], shaped), all that were
+    generated (every dynamic-sampling round), and the metrics of the generated ones."""
+
+    rollouts: Rollouts
+    rewards: torch.Tensor
+    generated: Rollouts
+    metrics: dict[str, float]
+
+
 def sampling_params(cfg: Config, temperature: float | None = None, seed: int | None = None) -> SamplingParams:
     """A generation request from policy.generation. seed: the key of the request's sampling
     (`generation_seed`); default: the one of an evaluation outside a run (grpo.seed's alone)."""
@@ -249,8 +309,7 @@ def generate_rollouts(group, texts: list[str], params: SamplingParams) -> Rollou
     ids = split_evenly(list(range(len(texts))), group.world_size)
     parts = group.run_all("generate", [(shard, params, True, shard_ids)  # the update follows
                                        for shard, shard_ids in zip(shards, ids)])
-    return Rollouts(*(sum((getattr(p, name) for p in parts), []) for name in
-                      ("prompt_ids", "response_ids", "texts", "truncated", "logprobs", "prompt_cut")))
+    return concat_rollouts(parts)
 
 
 def shape_rewards(cfg: Config, rewards: torch.Tensor, rollouts: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,6 +323,24 @@ def shape_rewards(cfg: Config, rewards: torch.Tensor, rollouts: Rollouts) -> tup
     return rewards + penalties, penalties
 
 
+def subtract_kl(cfg: Config, group, batch: StepBatch, pad_id: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """loss.use_kl_in_reward: each sample's reward minus beta × its summed per-token KL to the
+    reference (the workers' sequence_kl, on the policy that sampled), and the KL's metrics:
+    train/kl the mean per response token (what the loss's KL term reports otherwise) and
+    reward/kl_penalty_mean the mean penalty per sample."""
+    rollouts = batch.rollouts
+    shards = split_evenly(list(range(len(rollouts.response_ids))), group.world_size)
+    parts = group.run_all("sequence_kl", [(build_train_batch(
+        [rollouts.prompt_ids[i] for i in shard], [rollouts.response_ids[i] for i in shard], [0.0] * len(shard),
+        pad_id, cfg.policy.max_total_sequence_length),) for shard in shards])
+    sums = torch.tensor(sum(parts, []), dtype=torch.float64)
+    beta = cfg.loss.reference_policy_kl_penalty
+    penalized = kl_penalized_rewards(batch.rewards, sums.view(batch.rewards.shape), beta)
+    tokens = max(sum(len(r) for r in rollouts.response_ids), 1)
+    return penalized, {"train/kl": float(sums.sum()) / tokens,
+                       "reward/kl_penalty_mean": beta * float(sums.mean())}
+
+
 def train_on_rollouts(cfg: Config, group, rollouts: Rollouts, advantages: list[float], step: int,
                       pad_id: int) -> dict[str, float]:
     """Shuffle samples, cut them into optimizer steps, shard each step's trained samples over the
@@ -274,7 +351,7 @@ def train_on_rollouts(cfg: Config, group, rollouts: Rollouts, advantages: list[f
     order = torch.randperm(len(advantages), generator=generator)
     order = order.tolist()
     counted = in_loss(rollouts.truncated, cfg.grpo.overlong_filtering)
-    trains = [c and t for c, t in zip(counted, carries_gradient(advantages, cfg.loss.reference_policy_kl_penalty,
+    trains = [c and t for c, t in zip(counted, carries_gradient(advantages, cfg.loss.kl_in_loss,
                                                                 cfg.loss.skip_zero_advantage))]
     gbs = cfg.policy.train_global_batch_size
     per_worker: list[list] = [[] for _ in range(group.world_size)]

@@ -165,7 +165,7 @@ _PHASE_OF_FRAME = {
 }
 # phases by the worker method the controller called (group.run_all(method, ...))
 PHASE_OF_METHOD = {
-    "generate": "generation", "train": "update", "compute_logprobs": "update",
+    "generate": "generation", "train": "update", "compute_logprobs": "update", "sequence_kl": "update",
     "checkpoint_snapshot": "checkpoint snapshot", "checkpoint_poll": "checkpoint snapshot",
     "checkpoint_finish": "checkpoint snapshot", "checkpoint_abort": "checkpoint snapshot",
     "load_checkpoint_shard": "checkpoint load", "ready": "start-up", "hostname": "start-up",

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from itertools import product
 from pathlib import Path
 
-from rlscale.config import Config, derive_sizes
+from rlscale.config import Config, derive_sizes, prompts_per_generation
 
 GB = 1e9
 RESERVE_BYTES = 2e9  # CUDA context, cuBLAS and NCCL workspaces: outside what torch allocates
@@ -363,7 +363,7 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool, 
     local = shape.tensor_parallel_shard(tp)  # what one GPU of the engine's group holds
     groups = max(1, world // tp)  # each generates its tp ranks' samples together
     validates = g.val_at_start or g.val_at_end or g.val_period > 0
-    count = max(-(-g.num_prompts_per_step * g.num_generations_per_prompt // groups),
+    count = max(-(-prompts_per_generation(cfg) * g.num_generations_per_prompt // groups),  # one round's
                 -(-min(g.max_val_samples, EVAL_CHUNK) // groups) if validates else 0)
     slots = max(8, 1 << (count - 1).bit_length()) if engine and gpu and p.generation.cuda_graphs else count
     kv_token = 2 * layers * local.kv_width * c
@@ -796,7 +796,7 @@ def _hint(cfg, shape, world, gpu, budget, best: Settings) -> str:
     if fits:
         caveat = " (whose AdamW rounds small updates away)" if "bf16" == s.master_weights != best.master_weights else ""
         return f"it fits with {_changed(cfg, s, best)}{caveat}, peak {_peak(phases).total / GB:.1f} GB"
-    samples = -(-cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // world)
+    samples = -(-prompts_per_generation(cfg) * cfg.grpo.num_generations_per_prompt // world)
     return (f"shorten policy.max_total_sequence_length (now {cfg.policy.max_total_sequence_length}) or generate fewer "
             f"samples per GPU (now {samples})")
 

@@ -6,7 +6,7 @@ rlscale tree: a key rlscale has passes unchanged, a NeMo-RL key with a counterpa
 (`loss_fn.*` to `loss.*`, the Megatron optimizer and scheduler of the active training backend to
 `policy.optimizer.*`, `policy.scheduler.*` and `policy.master_weights`, ...), and a NeMo-RL key
 that rlscale does not act on is dropped and listed once, with what rlscale does instead. A key
-that changes the algorithm (dual-clip, dynamic sampling, async GRPO, ...) is dropped only at its
+that changes the algorithm (dual-clip, async GRPO, ...) is dropped only at its
 neutral value; any other value is refused, since the run would not be the recipe's. A key known
 to neither, also inside a section rlscale ignores, is an error naming the key and its file.
 """
@@ -64,11 +64,8 @@ IGNORED: dict[str, Ignored] = {
     "grpo.max_rollout_turns": Ignored("rlscale's math task is one turn (prompt, answer)", 1),
     "grpo.max_num_epochs": Ignored("rlscale runs grpo.max_num_steps steps, passing over the data as often as needed"),
     "grpo.val_batch_size": Ignored("rlscale generates all grpo.max_val_samples problems of a validation together"),
-    "grpo.use_dynamic_sampling": Ignored("rlscale samples grpo.num_prompts_per_step prompts a step, zero-std "
-                                         "groups included (loss.skip_zero_advantage leaves them out of the update)",
-                                         False),
-    "grpo.dynamic_sampling_max_gen_batches": Ignored("no dynamic sampling in rlscale"),
-    "grpo.batch_multiplier": Ignored("no dynamic sampling in rlscale", 1),
+    # grpo.use_dynamic_sampling, batch_multiplier and dynamic_sampling_max_gen_batches are rlscale's keys too
+    # (rlscale.grpo.dynamic_sampling)
     # grpo.overlong_filtering and grpo.reward_shaping.{enabled, overlong_buffer_length, overlong_buffer_penalty,
     # max_response_length} are rlscale's keys too (rlscale.grpo.shaping); newer NeMo-RL's other shaping is not
     "grpo.reward_shaping.stop_properly_penalty_coef": Ignored(

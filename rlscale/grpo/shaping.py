@@ -39,3 +39,13 @@ def in_loss(truncated: list[bool], overlong_filtering: bool) -> list[bool]:
     if not overlong_filtering:
         return [True] * len(truncated)
     return [not t for t in truncated]
+
+
+def kl_penalized_rewards(rewards: torch.Tensor, kl_sums: torch.Tensor, beta: float) -> torch.Tensor:
+    """KL in the reward (REINFORCE++, verl's use_kl_in_reward): each sample's reward minus beta
+    times its per-token KL estimate to the reference summed over its response. verl puts -beta ×
+    kl_t on every token and GRPO's outcome advantage sums a response's token rewards, which is
+    this. rewards, kl_sums: the same shape; float32 out."""
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    return (rewards.double() - beta * kl_sums.double()).float()

@@ -53,6 +53,14 @@ class ScoreResult:
                 f"{where}, scored 0 (the first: {self.first_error}); metric reward/errors counts them")
 
 
+def concat_scores(parts: list[ScoreResult]) -> ScoreResult:
+    """Several requests' scores as one, in order (for the step's metrics: each request's
+    failures were reported on their own, so first_error is the first request's that had one)."""
+    return ScoreResult(rewards=[r for p in parts for r in p.rewards], num_timeouts=sum(p.num_timeouts for p in parts),
+                       num_errors=sum(p.num_errors for p in parts), seconds=sum(p.seconds for p in parts),
+                       first_error=next((p.first_error for p in parts if p.first_error), None))
+
+
 # ---------------------------------------------------------------- worker process side
 
 

@@ -23,6 +23,21 @@ class Rollouts:
     prompt_cut: list[bool] = field(default_factory=list)
 
 
+def concat_rollouts(parts: list[Rollouts]) -> Rollouts:
+    """Several requests' rollouts as one, in order."""
+    return Rollouts(*(sum((getattr(p, name) for p in parts), []) for name in
+                      ("prompt_ids", "response_ids", "texts", "truncated", "logprobs", "prompt_cut")))
+
+
+def select_rollouts(rollouts: Rollouts, indices: list[int]) -> Rollouts:
+    """The samples at `indices`, in that order."""
+    def pick(values: list) -> list:
+        return [values[i] for i in indices] if values else []
+
+    return Rollouts(pick(rollouts.prompt_ids), pick(rollouts.response_ids), pick(rollouts.texts),
+                    pick(rollouts.truncated), pick(rollouts.logprobs), pick(rollouts.prompt_cut))
+
+
 @dataclass
 class TrainBatch:
     """Right-padded prompt+response sequences; targets are input_ids shifted by one."""

@@ -19,7 +19,7 @@ import torch
 
 from rlscale.config import Config, derive_sizes, token_budget
 from rlscale.errors import UserError
-from rlscale.grpo.loss import grpo_token_loss, importance_weights, loss_weights
+from rlscale.grpo.loss import grpo_token_loss, importance_weights, kl_estimate, loss_weights
 from rlscale.models import PromptRenderer, load_tokenizer, pick_device, stop_token_ids
 from rlscale.models.logprob_head import packed_logprobs
 from rlscale.models.prompts import decode_responses
@@ -308,10 +308,11 @@ class PolicyWorker(state_io.CheckpointableWorker):
         old = [self._pack_logprobs(self.model, p, self.sharded, self.keep_gathered, whole=self.keep_gathered)
                if len(steps) > 1 else None
                for p in packs]
+        in_loss = self.reference is not None and not self.cfg.loss.use_kl_in_reward  # else sequence_kl's
         ref = [self._pack_logprobs(self.reference, p, self.reference_sharded, False, whole=self.keep_gathered)
-               if self.reference is not None else None for p in packs]
+               if in_loss else None for p in packs]
         self.profiler.mark("old and reference logprobs")
-        if len(steps) > 1 or self.reference is not None:
+        if len(steps) > 1 or in_loss:
             self.memory.end("logprobs")
         totals: dict[str, float] = {}
         # the trained-token means (entropy, sampler agreement) are over the GRPO step's trained
@@ -326,6 +327,26 @@ class PolicyWorker(state_io.CheckpointableWorker):
         if not trained_total:  # means over no token
             totals.update({key: math.nan for key in TRAINED_TOKEN_MEANS if key in totals})
         return totals
+
+    @torch.no_grad()
+    def sequence_kl(self, batch: TrainBatch) -> list[float]:
+        """Each sample's per-token KL estimate of the policy that sampled it to the reference
+        (loss.reference_policy_kl_type, with its clamps), summed over its response: what
+        loss.use_kl_in_reward takes from the reward before the advantages. The same passes as the
+        update's logprobs (packed micro-batches, the model gathered as for them)."""
+        budget = self._token_budget(None)
+        real = len(pack_batch(batch, budget))  # the packs after these are fillers (sharded lockstep)
+        packs = self._micro_batches(batch, budget)
+        old = self._pack_logprobs(self.model, packs, self.sharded, False, whole=self.keep_gathered)
+        ref = self._pack_logprobs(self.reference, packs, self.reference_sharded, False, whole=self.keep_gathered)
+        self.memory.end("logprobs")
+        loss = self.cfg.loss
+        sums = torch.zeros(len(batch), dtype=torch.float64)
+        for mb, pi_old, pi_ref in list(zip(packs, old, ref))[:real]:
+            kl = kl_estimate(pi_old.float(), pi_ref.float(), loss.reference_policy_kl_type,
+                             loss.kl_input_clamp_value, loss.kl_output_clamp_value)
+            sums.index_add_(0, mb.rows, kl.double().cpu())
+        return sums.tolist()
 
     @torch.no_grad()
     def _pack_logprobs(self, model, packs: list[PackedMicroBatch], sharded: bool,
@@ -429,7 +450,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
             ref_part = None if ref is None else ref[part]
             clip = loss_cfg.sequence_clip if loss_cfg.sequence_level_importance_ratios else \
                 (loss_cfg.ratio_clip_min, loss_cfg.ratio_clip_max)
-            kwargs = dict(clip_low=clip[0], clip_high=clip[1], kl_beta=loss_cfg.reference_policy_kl_penalty,
+            kwargs = dict(clip_low=clip[0], clip_high=clip[1], kl_beta=loss_cfg.kl_in_loss,
                           kl_type=loss_cfg.reference_policy_kl_type, kl_input_clamp=loss_cfg.kl_input_clamp_value,
                           kl_output_clamp=loss_cfg.kl_output_clamp_value)
             if not whole:  # every term is a token's own: the pack as one row

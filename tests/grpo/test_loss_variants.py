@@ -242,6 +242,7 @@ def test_the_weights_carry_no_gradient():
           truncated_importance_sampling_ratio_min=0.5, truncated_importance_sampling_type="seq-mask-tis",
           sequence_level_importance_ratios=True, token_level_loss=False), "do not combine"),
     (dict(reference_policy_kl_type="k4"), "reference_policy_kl_type"),
+    (dict(use_kl_in_reward=True, reference_policy_kl_penalty=0.0), "needs loss.reference_policy_kl_penalty > 0"),
 ])
 def test_conflicting_loss_keys_are_refused(keys, message):
     with pytest.raises(ValueError) as caught:
@@ -513,3 +514,47 @@ def test_loss_and_gradient_equal_trls(loss_type, level, mode):
     theirs.backward()
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
     torch.testing.assert_close(ours_lp.grad, theirs_lp.grad)
+
+
+# ---------------------------------------------------------------- KL in the reward
+
+
+def test_kl_in_reward_by_hand():
+    from rlscale.grpo.shaping import kl_penalized_rewards
+
+    rewards = torch.tensor([[1.0, 0.0], [0.5, 0.5]])
+    kl = torch.tensor([[2.0, 0.0], [0.1, 4.0]])
+    assert torch.allclose(kl_penalized_rewards(rewards, kl, 0.05), torch.tensor([[0.9, 0.0], [0.495, 0.3]]))
+    assert torch.equal(kl_penalized_rewards(rewards, kl, 0.0), rewards)
+    with pytest.raises(ValueError, match="beta"):
+        kl_penalized_rewards(rewards, kl, -1.0)
+    assert LossConfig(use_kl_in_reward=True).kl_in_loss == 0.0 and LossConfig().kl_in_loss == 0.01
+
+
+def test_sequence_kl_is_the_summed_estimate_of_the_sampling_policy_to_the_reference(tiny_dir):
+    """After an update the policy has moved from the reference: each sample's sequence_kl equals
+    kl_estimate (k2, with an output clamp) of its logprobs summed over its response."""
+    from rlscale.workers.batch import build_train_batch
+
+    kl = ["loss.reference_policy_kl_penalty=0.1", "loss.reference_policy_kl_type=k2",
+          "loss.kl_output_clamp_value=0.5", "policy.optimizer.lr=1e-2"]
+    _, _, worker = _train(tiny_dir, *kl)
+    batch = build_train_batch(PROMPTS, RESPONSES, [0.0] * len(PROMPTS), 0, 32)
+    pi, ref = worker.compute_logprobs(batch), worker.compute_logprobs(batch, reference=True)
+    expected = (kl_estimate(pi, ref, "k2", None, 0.5) * batch.response_mask).sum(1)
+    got = torch.tensor(worker.sequence_kl(batch), dtype=torch.float32)
+    assert got.min() > 0  # the policy moved
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_with_kl_in_the_reward_the_loss_has_no_kl_term(tiny_dir):
+    """Two optimizer steps (the second off the reference): KL in the reward trains as no KL penalty
+    at all would (the advantages carry the KL instead), KL in the loss does not."""
+    in_reward, in_reward_params, _ = _train(tiny_dir, "loss.reference_policy_kl_penalty=0.5",
+                                            "loss.use_kl_in_reward=true", "policy.optimizer.lr=1e-2", steps=2)
+    none, none_params, _ = _train(tiny_dir, "policy.optimizer.lr=1e-2", steps=2)
+    _, in_loss_params, _ = _train(tiny_dir, "loss.reference_policy_kl_penalty=0.5", "policy.optimizer.lr=1e-2",
+                                  steps=2)
+    _same(in_reward_params, none_params)
+    _same(in_reward_params, in_loss_params, same=False)
+    assert in_reward["kl"] == 0.0 and in_reward["loss"] == none["loss"]

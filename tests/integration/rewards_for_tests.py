@@ -63,3 +63,14 @@ def pause_for_node_loss(response: str, answer: str) -> float:
         while not os.path.exists(go) and time.monotonic() < deadline:
             time.sleep(0.05)
     return digit_share(response, answer)
+
+
+def digit_share_if_even(response: str, answer: str) -> float:
+    """digit_share for problems whose answer is even, 0.0 for the others: every group of an odd
+    answer agrees (zero std), so dynamic sampling drops it and refills the step."""
+    return digit_share(response, answer) if answer.strip().lstrip("-").isdigit() and int(answer) % 2 == 0 else 0.0
+
+
+def always_zero(response: str, answer: str) -> float:
+    """0.0 whatever the response: no group is informative."""
+    return 0.0
