@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import re
 import struct
@@ -450,11 +451,15 @@ class GRPOConfig(_Section):
         return self
 
 
+def prompts_per_round(num_prompts: int, batch_multiplier: float) -> int:
+    """Prompts a dynamic-sampling round draws: ceil(num_prompts × batch_multiplier) (NeMo-RL's
+    rule), the product rounded to 9 decimals first (10 × 1.1 is 11.000000000000002 in floats)."""
+    return max(num_prompts, math.ceil(round(num_prompts * batch_multiplier, 9)))
+
+
 def prompts_per_generation(cfg: Config) -> int:
     """The prompts one generation round of a step draws: num_prompts_per_step, or more with
     dynamic sampling's grpo.batch_multiplier (rlscale.grpo.dynamic_sampling)."""
-    from rlscale.grpo.dynamic_sampling import prompts_per_round
-
     g = cfg.grpo
     return prompts_per_round(g.num_prompts_per_step, g.batch_multiplier) if g.use_dynamic_sampling \
         else g.num_prompts_per_step

@@ -7,12 +7,12 @@ and stops as soon as it holds num_prompts_per_step informative groups; it trains
 of them in generation order. Informative groups beyond those are dropped, as NeMo-RL drops them
 (carrying them into the next step would make them one step off-policy, and put generated
 samples into the checkpoint). After `dynamic_sampling_max_gen_batches` rounds without enough
-the run stops: the data or the group size gives too little signal for the step asked for.
+the run stops: the data or the group size gives too little signal for the step asked for. The round's
+size is rlscale.config.prompts_per_round (torch-free: the memory plan reads it at --dry-run).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -35,8 +35,3 @@ def sample_indices(groups: Sequence[int], group_size: int) -> list[int]:
     """The samples of the given groups, samples of a group being consecutive."""
     return [group * group_size + i for group in groups for i in range(group_size)]
 
-
-def prompts_per_round(num_prompts: int, batch_multiplier: float) -> int:
-    """Prompts a generation round draws: ceil(num_prompts × batch_multiplier) (NeMo-RL's rule),
-    the product rounded to 9 decimals first (10 × 1.1 is 11.000000000000002 in floats)."""
-    return max(num_prompts, math.ceil(round(num_prompts * batch_multiplier, 9)))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlscale.grpo.dynamic_sampling import chosen_groups, informative_groups, prompts_per_round, sample_indices
+from rlscale.config import prompts_per_round
+from rlscale.grpo.dynamic_sampling import chosen_groups, informative_groups, sample_indices
 
 
 def test_a_group_is_informative_when_its_rewards_differ():

@@ -516,6 +516,67 @@ def test_loss_and_gradient_equal_trls(loss_type, level, mode):
     torch.testing.assert_close(ours_lp.grad, theirs_lp.grad)
 
 
+def _trls_importance_ratio(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL 1.16's vLLM importance-sampling ratio (GRPOTrainer._generate_and_score_completions, where it
+    is computed inline, so not callable alone): exp(old - sampling) per token, or of its sum per
+    sequence in the sequence_* modes; *_truncate clamps it to [clip_min, clip_max], *_mask zeroes it
+    outside. What its _compute_loss then multiplies the policy-gradient term by."""
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    ratio = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    return ratio.masked_fill((ratio < low) | (ratio > clip_max), 0.0)
+
+
+@pytest.mark.parametrize("mode, kind, ratio_min, loss_type, level", [
+    ("token_truncate", "tis", None, "bnpo", "token"),
+    ("token_mask", "icepop", 0.8, "bnpo", "token"),
+    ("token_mask", "icepop", 0.8, "grpo", "token"),
+    ("sequence_truncate", "tis", None, "grpo", "sequence"),
+])
+def test_importance_sampling_correction_equals_trls(mode, kind, ratio_min, loss_type, level):
+    """rlscale's weights (importance_weights) equal TRL's ratio, and the corrected loss and its
+    gradient equal TRL's _compute_loss given that ratio (the correction multiplies the
+    policy-gradient term, the KL is added after, in both)."""
+    trl = pytest.importorskip("trl")
+    gen = torch.Generator().manual_seed(5)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.float32)
+    old = torch.randn(3, 5, generator=gen) * 0.5 - 2
+    ref = torch.randn(3, 5, generator=gen) * 0.5 - 2
+    sampling = old + torch.randn(3, 5, generator=gen) * 0.3  # the sampler's logprobs, off the trainer's
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    beta, low, high, max_len, cap = 0.04, 0.2, 0.28, 8, 1.2
+    sequence = level == "sequence"
+    ours_is = importance_weights(old, sampling, mask, kind, cap, ratio_min, sequence_level=sequence)
+    trls_is = _trls_importance_ratio(old, sampling, mask, mode, ratio_min, cap)
+    if sequence:
+        torch.testing.assert_close(ours_is.weights, trls_is)
+    else:
+        torch.testing.assert_close(ours_is.weights * mask, trls_is * mask)
+    assert (ours_is.kept == 0).any()  # the bounds act on these values
+    ours_lp = (old + torch.randn(3, 5, generator=gen) * 0.3).requires_grad_()
+    theirs_lp = ours_lp.detach().clone().requires_grad_()
+    terms = grpo_token_loss(ours_lp, old, adv, ref, low, high, beta, sequence_level=sequence, mask=mask,
+                            is_weights=ours_is.weights)
+    agg = "token-mean" if loss_type == "bnpo" else "seq-mean-token-mean"
+    weights = loss_weights(agg, mask.sum(1), mask.sum().item(), 3.0, float(max_len))[:, None] * mask
+    ours = (terms.loss * weights).sum()
+    ours.backward()
+    stub = _TRLStub(theirs_lp, loss_type, level, beta, low, high, max_len)
+    stub.use_vllm = stub.vllm_importance_sampling_correction = True
+    stub.vllm_importance_sampling_mode = mode
+    inputs = {"prompt_ids": torch.ones(3, 2, dtype=torch.long), "prompt_mask": torch.ones(3, 2, dtype=torch.long),
+              "completion_ids": torch.ones(3, 5, dtype=torch.long), "completion_mask": mask.long(),
+              "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
+              "num_items_in_batch": mask.sum(), "importance_sampling_ratio": trls_is,
+              "sampling_per_token_logps": sampling}
+    theirs = trl.GRPOTrainer._compute_loss(stub, None, inputs)
+    theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+    torch.testing.assert_close(ours_lp.grad, theirs_lp.grad)
+
+
 # ---------------------------------------------------------------- KL in the reward
 
 
