@@ -35,10 +35,11 @@ def one_step(worker: PolicyWorker, rows: list[int]) -> dict:
 
 def two_steps(worker: PolicyWorker, rows: list[int]) -> tuple[dict, dict]:
     """Whole weights after the first step (Adam's second step turns float noise in near-zero
-    gradients into sign flips), and the second step's stats (the policy has left the reference)."""
-    one_step(worker, rows)
+    gradients into sign flips), and the second step's stats (the policy has left the reference)
+    with the first step's grad norm as first_grad_norm."""
+    first = one_step(worker, rows)
     weights = whole_weights(worker)
-    return weights, one_step(worker, rows)
+    return weights, {**one_step(worker, rows), "first_grad_norm": first["grad_norm"]}
 
 
 def whole_weights(worker) -> dict[str, torch.Tensor]:
@@ -110,13 +111,18 @@ def test_two_sharded_ranks_match_one_worker_over_several_micro_batches(tmp_path,
     single_weights, stats = two_steps(single, list(range(len(TEXTS))))
     per_rank = [json.loads((tmp_path / f"sharded-{r}.json").read_text()) for r in range(2)]
     # each rank reports its share of the global token mean; grad_norm is global already
-    sharded_stats = {"grad_norm": per_rank[0]["grad_norm"], "kl": sum(r["kl"] for r in per_rank)}
+    sharded_stats = {"grad_norm": per_rank[0]["grad_norm"], "kl": sum(r["kl"] for r in per_rank),
+                     "first_grad_norm": per_rank[0]["first_grad_norm"]}
     # bf16 compute: the ranks' packs hold other samples than the single worker's, so the forward
-    # rounds differently (measured: grad norm 7.532 vs 7.540, 0.1%); the update is AdamW's first
-    # step, lr × sign(gradient) for most weights, so a weight differs by 2 lr where a near-zero
-    # gradient's sign flips
+    # rounds differently. The first step's grad norms agree closely (7.6396 vs 7.6402, 2026-12-05).
+    # Its update is AdamW's first, lr × sign(gradient) for most weights, so a weight differs by
+    # 2 lr where a near-zero gradient's sign flips, and the second step's grad norm inherits those
+    # flips: 7.518 (two ranks) vs 7.602 (one worker), where one worker fed the same rows in reverse
+    # order gives 7.568 and fp32 compute 7.507 (transformers 5.25, torch 2.13 CPU).
     bf16 = "policy.dtype=bfloat16" in overrides
-    grad_rtol, weight_atol = (1e-2, 2 * single.cfg.policy.optimizer.lr + 1e-6) if bf16 else (1e-5, 1e-6)
+    first_rtol, grad_rtol, weight_atol = (1e-3, 3e-2, 2 * single.cfg.policy.optimizer.lr + 1e-6) if bf16 \
+        else (1e-5, 1e-5, 1e-6)
+    assert abs(sharded_stats["first_grad_norm"] - stats["first_grad_norm"]) < first_rtol * max(1.0, stats["first_grad_norm"])
     assert abs(sharded_stats["grad_norm"] - stats["grad_norm"]) < grad_rtol * max(1.0, stats["grad_norm"])
     assert abs(sharded_stats["kl"] - stats["kl"]) < 1e-6 * max(1.0, stats["kl"])
     if "loss.reference_policy_kl_penalty=0.05" in overrides:
