@@ -139,6 +139,34 @@ class SchedulerConfig(_Section):
                           description="the LR a linear or cosine decay ends at (Megatron's min_lr)")
 
 
+# the linear layers of a Llama-style decoder block (Qwen2/2.5/3, Llama, Mistral): LoRA's default targets
+LORA_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(_Section):
+    """LoRA adapters (PEFT) on a frozen base (NeMo-RL's policy.dtensor_cfg.lora_cfg: dim = rank)."""
+    enabled: bool = Field(False, description="train LoRA adapters instead of the whole model: the base stays "
+                          "frozen in policy.dtype, the adapters and their AdamW moments train in fp32, and the KL "
+                          "reference is the base itself (the adapters switched off: no second copy)")
+    rank: int = Field(8, ge=1, description="the adapters' rank r (NeMo-RL's lora_cfg.dim)")
+    alpha: float = Field(16.0, gt=0.0, description="scale: the adapters' product is multiplied by alpha / rank")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input")
+    target_modules: list[str] | None = Field(
+        None, description="names of the linear layers that get adapters; null = every linear layer of the "
+        f"decoder blocks ({', '.join(LORA_LINEAR_MODULES)}; NeMo-RL's match_all_linear)")
+
+    @model_validator(mode="after")
+    def _targets_exist(self) -> LoraConfig:
+        if self.target_modules is not None:
+            if not self.target_modules:
+                raise ValueError("policy.lora.target_modules is empty: name at least one linear layer, or null for all")
+            unknown = [m for m in self.target_modules if m not in LORA_LINEAR_MODULES]
+            if unknown:
+                raise ValueError(f"policy.lora.target_modules: {', '.join(map(repr, unknown))} match no linear "
+                                 f"layer of a decoder block (they are {', '.join(LORA_LINEAR_MODULES)})")
+        return self
+
+
 class PolicyConfig(_Section):
     @model_validator(mode="before")
     @classmethod
@@ -210,6 +238,7 @@ class PolicyConfig(_Section):
     max_total_sequence_length: int = Field(256, ge=8, description="prompt + response tokens")
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="gradient clipping; null disables")
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 
@@ -226,6 +255,13 @@ class PolicyConfig(_Section):
                 and sched.decay_steps <= sched.warmup_steps:
             raise ValueError(f"policy.scheduler.decay_steps={sched.decay_steps} must come after the warm-up "
                              f"(policy.scheduler.warmup_steps={sched.warmup_steps})")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_precision(self) -> PolicyConfig:
+        if self.lora.enabled and self.master_weights in ("bf16", "bf16_stochastic"):
+            raise ValueError(f"policy.master_weights={self.master_weights} with policy.lora.enabled=true: the "
+                             "base is frozen and the adapters always train in fp32; drop master_weights (or auto)")
         return self
 
     @model_validator(mode="after")
@@ -662,6 +698,7 @@ class Config(_Section):
             self.checkpointing.lustre_stripe_count = stripe_count(
                 "ranks", self.cluster.num_nodes * self.cluster.gpus_per_node)
         check_tensor_parallel(self)
+        check_lora(self)
         check_loss(self)
         check_overlong(self)
         ckpt = self.checkpointing
@@ -824,6 +861,15 @@ def check_tensor_parallel(cfg: Config) -> None:
         raise ValueError(f"policy.generation.tensor_parallel_size={size} must divide cluster.gpus_per_node="
                          f"{cluster.gpus_per_node} (a group of {size} consecutive ranks generates together on "
                          "one node, never across nodes)")
+
+
+def check_lora(cfg: Config) -> None:
+    """LoRA runs on one worker for now: FSDP2 over a frozen 16-bit base with fp32 adapters (mixed
+    dtypes in one unit) is not built yet."""
+    world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+    if cfg.policy.lora.enabled and world > 1:
+        raise ValueError(f"policy.lora.enabled=true trains on one worker so far, but cluster.num_nodes × "
+                         f"cluster.gpus_per_node = {world}: set both to 1 (LoRA over FSDP2 is not built yet)")
 
 
 def flat_dict(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

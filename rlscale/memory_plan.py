@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from itertools import product
 from pathlib import Path
 
-from rlscale.config import Config, derive_sizes, prompts_per_generation
+from rlscale.config import LORA_LINEAR_MODULES, Config, derive_sizes, prompts_per_generation
 
 GB = 1e9
 RESERVE_BYTES = 2e9  # CUDA context, cuBLAS and NCCL workspaces: outside what torch allocates
@@ -137,6 +137,13 @@ class ModelShape:
 
     def parameter_count(self) -> int:
         return self.num_hidden_layers * self.layer_parameters() + self.outside_parameters()
+
+    def lora_parameters(self, rank: int, targets: list[str] | tuple[str, ...]) -> int:
+        """LoRA's A (r × in) and B (out × r) on each target linear layer of every block."""
+        h, q, kv, i = self.hidden_size, self.q_width, self.kv_width, self.intermediate_size
+        sides = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h,
+                 "gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}
+        return self.num_hidden_layers * rank * sum(sides[t] for t in targets)
 
     def engine_supported(self, max_length: int) -> bool:
         return self.engine_unsupported_reason(max_length) is None
@@ -352,6 +359,13 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool, 
     share = world if sharded else 1
     w = 4 if master == "fp32" else 2
     moments = 8 if master in ("fp32", "bf16_stochastic") else 2 * w
+    # LoRA (one worker): the frozen base in the compute dtype is the reference too (no copy); the
+    # adapters, their gradients and moments are fp32 (rlscale.models.lora)
+    adapters = shape.lora_parameters(p.lora.rank, p.lora.target_modules or LORA_LINEAR_MODULES) \
+        if p.lora.enabled else 0
+    if adapters:
+        casts = sharded = False
+        share, w, moments = 1, c, 0
     unit = max(min(p.fsdp_layers_per_unit, layers) * shape.layer_parameters(), shape.outside_parameters())
     compiled = p.compile if p.compile is not None else gpu and not casts  # workers.model_setup.auto_compile
     scale = c / 2
@@ -418,6 +432,9 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool, 
     else:  # reduce-scattered unit by unit (into the sharded gradients of earlier micro-batches)
         earlier = params * w / share if micro_batches > 1 else 0
         grads = earlier + 2 * unit * c if sharded else shape.layer_parameters() * w
+    if adapters:  # only the adapters have gradients; the whole step's exist by the last backward
+        base.update({"master weights": adapters * 4, "moments": adapters * 8, "reference": 0})
+        grads = adapters * 4
     head = vocab * hidden * (4 * (HEAD_GRAD_FP32_COPIES if gpu and c == 2 else 1) + (c if c != 4 else 0))
     largest = max(vocab * hidden, shape.intermediate_size * hidden) / share
     step = largest * (STOCHASTIC_STEP_BYTES if master == "bf16_stochastic" else 0 if gpu else PLAIN_STEP_BYTES)
@@ -442,7 +459,7 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool, 
             "activations": tokens * forward_only + outside, "logits chunk": logits}))
     phases.append(phase("update", {"gradients": grads, "transient gathers": reduce,
                                    "activations": activations, "logits chunk": logits, "head gradient": head}))
-    phases.append(Phase("optimizer step", {**base, "gradients": params * w / share,  # the policy resharded
+    phases.append(Phase("optimizer step", {**base, "gradients": adapters * 4 or params * w / share,  # resharded
                                            "optimizer temporaries": step}))
     return phases
 
@@ -465,7 +482,9 @@ def _options(cfg: Config, shape: ModelShape, world: int, gpu: bool, budget: int 
             and len(tokens) < MICRO_BATCH_HALVINGS + 1:
         tokens.append(max(p.max_total_sequence_length, tokens[-1] // 2))
     masters = ["fp32"]
-    if not auto["master_weights"]:
+    if p.lora.enabled:  # the adapters always train in fp32 (rlscale.workers.precision)
+        pass
+    elif not auto["master_weights"]:
         masters = [p.master_weights]
     elif plan and p.dtype != "float16" and _compute_bytes(cfg, gpu, "fp32") == 2:  # stochastic rounding is bf16
         masters = ["fp32", "bf16_stochastic", "bf16"] if free else ["fp32", "bf16_stochastic"]

@@ -140,6 +140,8 @@ IGNORED: dict[str, Ignored] = {
     "policy.generation.vllm_cfg.use_tqdm": Ignored("rlscale shows its own progress (logger.progress)"),
     # dtensor_cfg (NeMo-RL's FSDP2 path)
     "policy.dtensor_cfg.enabled": Ignored(FSDP2),
+    "policy.dtensor_cfg.lora_cfg.match_all_linear": Ignored(
+        "policy.lora.target_modules=null already takes every linear layer of the decoder blocks", True),
     "policy.dtensor_cfg._v2": Ignored(FSDP2),
     "policy.dtensor_cfg.cpu_offload": Ignored(f"{FSDP2}, on the GPU; the memory plan checks it fits", False),
     "policy.dtensor_cfg.sequence_parallel": Ignored(f"{FSDP2}, no sequence parallelism"),
@@ -228,6 +230,12 @@ IGNORED: dict[str, Ignored] = {
 RENAMED = {
     "env.math.num_workers": "rewards.num_workers",
     "logger.mlflow.experiment_name": "logger.mlflow.experiment",
+    # LoRA (NeMo-RL's dtensor_cfg.lora_cfg): the same settings under policy.lora
+    "policy.dtensor_cfg.lora_cfg.enabled": "policy.lora.enabled",
+    "policy.dtensor_cfg.lora_cfg.dim": "policy.lora.rank",
+    "policy.dtensor_cfg.lora_cfg.alpha": "policy.lora.alpha",
+    "policy.dtensor_cfg.lora_cfg.dropout": "policy.lora.dropout",
+    "policy.dtensor_cfg.lora_cfg.target_modules": "policy.lora.target_modules",
 }
 
 # checkpointing.metric_name: NeMo-RL's "val:NAME" / "train:NAME" (and older "val_reward") -> rlscale's metric

@@ -42,6 +42,15 @@ def list_steps(root: Path) -> list[dict]:
     return sorted(rows, key=lambda row: (row["step"], row["state"] == "uncommitted"))
 
 
+def _trains_lora(step_dir: Path) -> bool:
+    """Whether the run that saved this step trained LoRA adapters (its config.yaml says)."""
+    import yaml
+
+    config = step_dir / "config.yaml"
+    saved = yaml.safe_load(config.read_text()) if config.is_file() else None
+    return bool(((saved or {}).get("policy") or {}).get("lora", {}).get("enabled"))
+
+
 def export_policy(step_dir: Path, out: Path) -> Path:
     """A verified step's policy as a Hugging Face model dir in `out`, which must be new or empty:
     policy/ copied (an unsharded save), or its weights assembled from the ranks' rows (sharded)."""
@@ -53,6 +62,9 @@ def export_policy(step_dir: Path, out: Path) -> Path:
         raise UserError(f"checkpoint {str(step_dir)!r} is damaged: {verdict.reason}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"export target {str(out)!r} exists and is not an empty directory")
+    if _trains_lora(step_dir):
+        raise UserError(f"checkpoint {str(step_dir)!r} holds LoRA adapters beside their base (PEFT's names): "
+                        "exporting it as a merged model is not built yet; it resumes with `rlscale train`")
     manifest = layout.read_manifest(step_dir)
     prefix = "policy/"
     policy_files = [rel for rel in manifest["files"] if rel.startswith(prefix)]

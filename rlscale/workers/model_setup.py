@@ -9,6 +9,7 @@ import torch
 from rlscale.config import PolicyConfig
 from rlscale.models import load_model
 from rlscale.models.loading import local_weights_dir
+from rlscale.models.lora import add_adapters
 from rlscale.models.packed_attention import use_packed_attention
 from rlscale.models.sharded_load import load_sharded
 from rlscale.workers import distributed
@@ -23,6 +24,8 @@ def build_policy(policy: PolicyConfig, precision: Precision, device: torch.devic
     def prepare(model) -> None:
         """Activation checkpointing, then compile, then FSDP2, as torchtitan orders them."""
         model.config.use_cache = False
+        if policy.lora.enabled:  # frozen base, fp32 adapters (before checkpointing and compile wrap the layers)
+            add_adapters(model, policy.lora)
         use_packed_attention(model, policy.attention_backend)
         if policy.activation_checkpointing:
             enable_activation_checkpointing(model)

@@ -9,6 +9,7 @@ not cover, transformers generate (rlscale.workers.hf_generate).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -22,6 +23,7 @@ from rlscale.errors import UserError
 from rlscale.grpo.loss import grpo_token_loss, importance_weights, kl_estimate, loss_weights
 from rlscale.models import PromptRenderer, load_tokenizer, pick_device, stop_token_ids
 from rlscale.models.logprob_head import packed_logprobs
+from rlscale.models.lora import BaseNamesView, adapters_disabled, merged_by_layer
 from rlscale.models.prompts import decode_responses
 from rlscale.workers.batch import Rollouts, TrainBatch
 from rlscale.rollout import (RolloutEngine, SamplingParams, StopStrings, TensorParallel, round_up,
@@ -102,13 +104,17 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self._rollout_unsupported = False
         self.last_generation_timings: dict[str, float] = {}
         self.reference, self.reference_sharded = None, False
-        if cfg.loss.reference_policy_kl_penalty > 0:
+        self.lora = policy.lora.enabled
+        if cfg.loss.reference_policy_kl_penalty > 0 and self.lora:
+            self.reference = self.model  # with its adapters switched off (self._as_reference)
+        elif cfg.loss.reference_policy_kl_penalty > 0:
             self.reference, self.reference_sharded = build_reference(policy, self.dtype, self.device, world_size,
                                                                      self.compiled)
         # null (no memory plan was made): keep the policy gathered, the fastest way when it fits
         self.keep_gathered = policy.keep_gathered is not False
         self.memory = PhasePeaks(self.device)  # measured per phase, reported with each update
-        self.optimizer = precision.make_optimizer(self.model.parameters(), policy.optimizer, self.precision,
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+        self.optimizer = precision.make_optimizer(trained, policy.optimizer, self.precision,
                                                   self.device, seed=cfg.grpo.seed * 1009 + rank)
         sched, lr = policy.scheduler, policy.optimizer.lr
         total = cfg.grpo.max_num_steps * derive_sizes(cfg).optimizer_steps_per_grpo_step
@@ -189,6 +195,12 @@ class PolicyWorker(state_io.CheckpointableWorker):
         then decodes alone). With policy.keep_gathered the whole model is gathered (and kept so
         for the update when `keep`); otherwise one FSDP2 unit at a time (the transient memory of
         one unit: what the memory plan counts on when the gathered model does not fit)."""
+        if self.lora:  # base + adapters merged afresh, one decoder layer at a time
+            filled = [name for layer in merged_by_layer(self.model) for name in engine.weights.copy_named(layer)]
+            missing = engine.weights.missing_after(filled)
+            if missing:
+                raise ValueError(f"rollout engine: the merged sync left {missing[:3]} unfilled")
+            return
         if self.sharded and not self.keep_gathered:
             filled = distributed.streamed_sync(self.model, engine.weights.copy_named)
             missing = engine.weights.missing_after(filled)
@@ -228,7 +240,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
                 return None
             # built unfilled, from the model's config and parameter names (nothing gathered): the
             # sync before each generation, `_sync_engine`, fills it
-            self._rollout = RolloutEngine(self.model, self.device, self.dtype, max_length,
+            source = BaseNamesView(self.model) if self.lora else self.model
+            self._rollout = RolloutEngine(source, self.device, self.dtype, max_length,
                                          use_cuda_graphs=gen.cuda_graphs and self.device.type == "cuda",
                                          compile_decode=gen.compile and self.device.type == "cuda",
                                          tp=self.tp, sync=False)
@@ -268,7 +281,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
         """Logprobs of the response targets, [B, L-1] like batch.response_mask (0 elsewhere)."""
         packs = pack_batch(batch, self._token_budget(micro_batch_size))
         model, sharded = (self.reference, self.reference_sharded) if reference else (self.model, self.sharded)
-        pieces = self._pack_logprobs(model, packs, sharded, keep_gathered=False)
+        with self._as_reference(reference):
+            pieces = self._pack_logprobs(model, packs, sharded, keep_gathered=False)
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
         if pieces:  # one copy back at the end: no stall between the micro-batches' forwards
             rows, cols = torch.cat([mb.rows for mb in packs]), torch.cat([mb.cols for mb in packs])
@@ -309,8 +323,9 @@ class PolicyWorker(state_io.CheckpointableWorker):
                if len(steps) > 1 else None
                for p in packs]
         in_loss = self.reference is not None and not self.cfg.loss.use_kl_in_reward  # else sequence_kl's
-        ref = [self._pack_logprobs(self.reference, p, self.reference_sharded, False, whole=self.keep_gathered)
-               if in_loss else None for p in packs]
+        with self._as_reference(in_loss):
+            ref = [self._pack_logprobs(self.reference, p, self.reference_sharded, False, whole=self.keep_gathered)
+                   if in_loss else None for p in packs]
         self.profiler.mark("old and reference logprobs")
         if len(steps) > 1 or in_loss:
             self.memory.end("logprobs")
@@ -338,7 +353,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
         real = len(pack_batch(batch, budget))  # the packs after these are fillers (sharded lockstep)
         packs = self._micro_batches(batch, budget)
         old = self._pack_logprobs(self.model, packs, self.sharded, False, whole=self.keep_gathered)
-        ref = self._pack_logprobs(self.reference, packs, self.reference_sharded, False, whole=self.keep_gathered)
+        with self._as_reference():
+            ref = self._pack_logprobs(self.reference, packs, self.reference_sharded, False, whole=self.keep_gathered)
         self.memory.end("logprobs")
         loss = self.cfg.loss
         sums = torch.zeros(len(batch), dtype=torch.float64)
@@ -347,6 +363,10 @@ class PolicyWorker(state_io.CheckpointableWorker):
                              loss.kl_input_clamp_value, loss.kl_output_clamp_value)
             sums.index_add_(0, mb.rows, kl.double().cpu())
         return sums.tolist()
+
+    def _as_reference(self, active: bool = True):
+        """The reference's passes: under LoRA the policy itself with its adapters off (the base)."""
+        return adapters_disabled(self.model) if active and self.lora else contextlib.nullcontext()
 
     @torch.no_grad()
     def _pack_logprobs(self, model, packs: list[PackedMicroBatch], sharded: bool,

@@ -29,7 +29,7 @@ from rlscale.models import pick_dtype
 class Precision:
     compute: torch.dtype  # forward and backward, the reference model, the rollout engine
     weights: torch.dtype  # the parameters the optimizer updates
-    master: str  # fp32 | bf16_stochastic | bf16
+    master: str  # fp32 | bf16_stochastic | bf16 | lora (frozen base, fp32 adapters)
 
     @property
     def needs_fsdp(self) -> bool:
@@ -62,6 +62,8 @@ def resolve_precision(policy: PolicyConfig, device: torch.device) -> Precision:
     """The worker's precision. master_weights=auto is resolved by the memory plan before workers
     start (rlscale.memory_plan); a worker that still sees auto (no plan was made) takes fp32."""
     compute = compute_dtype(policy, device)
+    if policy.lora.enabled:  # a frozen base in the compute dtype; the adapters (rlscale.models.lora) in fp32
+        return Precision(compute, compute, "lora")
     if compute == torch.float32:
         return Precision(torch.float32, torch.float32, "fp32")
     master = "fp32" if policy.master_weights == "auto" else policy.master_weights
