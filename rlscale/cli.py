@@ -252,11 +252,14 @@ def _step_dirs_inside(directory: Path) -> list[str]:
 def ckpt_export(
     step_dir: Path = typer.Argument(..., help="a committed step_N directory"),
     out: Path = typer.Argument(..., help="new (or empty) directory for the Hugging Face model"),
+    adapter: bool = typer.Option(False, "--adapter", help="a LoRA step: PEFT's adapter directory instead of "
+                                 "the merged model"),
 ) -> None:
-    """Write the step's policy as a Hugging Face model directory (after verifying checksums)."""
+    """Write the step's policy as a Hugging Face model directory (after verifying checksums); a
+    LoRA step's is the merged model (base + adapters), or with --adapter PEFT's adapter directory."""
     from rlscale.ckpt.tools import export_policy
 
-    typer.echo(f"wrote {export_policy(step_dir, out)}")
+    typer.echo(f"wrote {export_policy(step_dir, out, adapter)}")
 
 
 def _add_cluster_commands() -> None:

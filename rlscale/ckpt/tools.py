@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from rlscale.ckpt import layout
+from rlscale.ckpt.lora_export import trains_lora, write_lora_export
 from rlscale.errors import UserError
 
 
@@ -42,18 +43,10 @@ def list_steps(root: Path) -> list[dict]:
     return sorted(rows, key=lambda row: (row["step"], row["state"] == "uncommitted"))
 
 
-def _trains_lora(step_dir: Path) -> bool:
-    """Whether the run that saved this step trained LoRA adapters (its config.yaml says)."""
-    import yaml
-
-    config = step_dir / "config.yaml"
-    saved = yaml.safe_load(config.read_text()) if config.is_file() else None
-    return bool(((saved or {}).get("policy") or {}).get("lora", {}).get("enabled"))
-
-
-def export_policy(step_dir: Path, out: Path) -> Path:
+def export_policy(step_dir: Path, out: Path, adapter: bool = False) -> Path:
     """A verified step's policy as a Hugging Face model dir in `out`, which must be new or empty:
-    policy/ copied (an unsharded save), or its weights assembled from the ranks' rows (sharded)."""
+    policy/ copied (an unsharded save), or its weights assembled from the ranks' rows (sharded).
+    A LoRA step: the merged model, or with `adapter` PEFT's adapter directory (ckpt/lora_export.py)."""
     step_dir, out = Path(step_dir), Path(out)
     if not step_dir.is_dir():
         raise UserError(f"checkpoint {str(step_dir)!r} is not a directory")
@@ -62,9 +55,10 @@ def export_policy(step_dir: Path, out: Path) -> Path:
         raise UserError(f"checkpoint {str(step_dir)!r} is damaged: {verdict.reason}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"export target {str(out)!r} exists and is not an empty directory")
-    if _trains_lora(step_dir):
-        raise UserError(f"checkpoint {str(step_dir)!r} holds LoRA adapters beside their base (PEFT's names): "
-                        "exporting it as a merged model is not built yet; it resumes with `rlscale train`")
+    lora = trains_lora(step_dir)
+    if adapter and not lora:
+        raise UserError(f"checkpoint {str(step_dir)!r} holds no LoRA adapters (its run trained the whole "
+                        "model): leave out --adapter")
     manifest = layout.read_manifest(step_dir)
     prefix = "policy/"
     policy_files = [rel for rel in manifest["files"] if rel.startswith(prefix)]
@@ -85,7 +79,11 @@ def export_policy(step_dir: Path, out: Path) -> Path:
     staging = (out / ".rlscale-export-tmp") if existing else out.parent / f".{out.name}.export-tmp-{os.getpid()}"
     try:
         staging.mkdir(parents=True)
-        dtype = _model_dtype(step_dir / prefix / "config.json")
+        if lora:
+            write_lora_export(step_dir, staging, adapter)
+            policy_files = []
+        else:
+            dtype = _model_dtype(step_dir / prefix / "config.json")
         if weights is not None:
             _write_hf_shards(step_dir, weights, staging, dtype)
         for rel in policy_files:
@@ -104,6 +102,9 @@ def export_policy(step_dir: Path, out: Path) -> Path:
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
         raise UserError(f"export to {str(out)!r} failed: {exc.strerror or exc}") from None
+    except UserError:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     except ValueError as exc:  # a range whose checksum does not match
         shutil.rmtree(staging, ignore_errors=True)
         raise UserError(f"checkpoint {str(step_dir)!r} is damaged: {exc}") from None
@@ -116,10 +117,10 @@ EXPORT_SHARD_BYTES = 5 << 30  # as transformers' save_pretrained (max_shard_size
 
 def loadable_policy_dir(step_dir: Path, scratch: Path) -> Path:
     """A directory `from_pretrained` loads the step's policy from: its policy/ (today's layout, a
-    one-worker save), or, for a sharded step (policy/ holds the ranks' rows), an export into
-    `scratch` (a new or empty directory the caller removes)."""
+    one-worker save), or, for a sharded step (policy/ holds the ranks' rows) or a LoRA step (the
+    adapters alone), an export into `scratch` (a new or empty directory the caller removes)."""
     step_dir = Path(step_dir)
-    if "tensors" not in layout.read_manifest(step_dir):
+    if "tensors" not in layout.read_manifest(step_dir) and not trains_lora(step_dir):
         return step_dir / "policy"
     return export_policy(step_dir, scratch)
 

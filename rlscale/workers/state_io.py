@@ -39,6 +39,7 @@ from rlscale.ckpt import ranges, sharded, tensorfile
 from rlscale.ckpt.engine import FileSpec, RankEngine
 from rlscale.ckpt.reader import read_files, read_pieces
 from rlscale.errors import UserError
+from rlscale.models.lora import is_adapter
 
 POLICY_DIR, OPTIM_DIR, RNG_DIR = "policy", "optim", "rng"
 OPTIM_META = f"{OPTIM_DIR}/meta.json"
@@ -49,9 +50,14 @@ class ModelMismatch(ValueError):
 
 
 def model_tensors(model) -> dict[str, torch.Tensor]:
-    """Saved tensors by name; a tied weight appears once, under its first name (as HF saves it)."""
+    """Saved tensors by name; a tied weight appears once, under its first name (as HF saves it).
+    A model with LoRA adapters saves (and loads) the adapters alone: the frozen base is the
+    model's own files (policy.model_name, in the step's config.yaml)."""
     seen, out = set(), {}
-    for name, tensor in model.state_dict().items():
+    state = model.state_dict()
+    if any(map(is_adapter, state)):
+        state = {name: tensor for name, tensor in state.items() if is_adapter(name)}
+    for name, tensor in state.items():
         key = sharded.storage_key(tensor)
         if tensor.numel() and key in seen:
             continue
@@ -131,7 +137,10 @@ def tensor_files(worker, writers: int) -> TensorFiles:
         optim = {k: v for n in chosen for k, v in by_param.get(n, {}).items()}
         if optim:
             files.append(FileSpec(f"{OPTIM_DIR}/optim-r{rank:03d}-{j:03d}.safetensors", optim))
-    return TensorFiles(files, weight_map, sum(_nbytes(weights[n]) for n in weight_map), name_of)
+    weight_bytes = sum(_nbytes(weights[n]) for n in weight_map)
+    if getattr(worker, "lora", False):
+        weight_map = {}  # no Hugging Face weight index beside the adapters
+    return TensorFiles(files, weight_map, weight_bytes, name_of)
 
 
 def sharded_tensor_files(rank: int, world: int, weights: dict, moments: dict, writers: int,
@@ -172,7 +181,8 @@ def small_files(worker, name_of: dict[int, str]) -> list[FileSpec]:
     if worker.rank == 0:
         meta = optimizer_meta(worker.optimizer, worker.scheduler, name_of)
         files.append(FileSpec(OPTIM_META, data=json.dumps(meta).encode()))
-        files += [FileSpec(f"{POLICY_DIR}/{name}", data=blob) for name, blob in hf_side_files(worker).items()]
+        if not getattr(worker, "lora", False):  # adapters alone are no Hugging Face model (ckpt export merges)
+            files += [FileSpec(f"{POLICY_DIR}/{name}", data=blob) for name, blob in hf_side_files(worker).items()]
     rng_tensors, rng_meta = rng_state()
     files.append(FileSpec(f"{RNG_DIR}/rank{worker.rank}.safetensors", rng_tensors))
     files.append(FileSpec(f"{RNG_DIR}/rank{worker.rank}.json", data=json.dumps(rng_meta).encode()))
