@@ -75,7 +75,8 @@ def test_both_exports_load_and_give_the_runs_logits(tmp_path):
     with torch.no_grad():
         want = trained(ids).logits
         assert torch.equal(adapter(ids).logits, want)  # the same layers, the same sums
-        torch.testing.assert_close(merged(ids).logits, want, atol=1e-5, rtol=0)  # (W + BA) x against Wx + B(Ax)
-        assert (base(ids).logits - want).abs().max() > 1e-6  # the adapters trained
+        # (W + BA) x against Wx + B(Ax): fp32 sums in another order (a fresh clone saw 1.4e-5)
+        torch.testing.assert_close(merged(ids).logits, want, atol=1e-4, rtol=0)
+        assert (base(ids).logits - want).abs().max() > 1e-2  # the adapters trained, far beyond that rounding
     bad = run_cli("ckpt", "export", "--adapter", str(step), str(tmp_path / "merged"), cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.startswith("rlscale: error: export target")
