@@ -698,7 +698,6 @@ class Config(_Section):
             self.checkpointing.lustre_stripe_count = stripe_count(
                 "ranks", self.cluster.num_nodes * self.cluster.gpus_per_node)
         check_tensor_parallel(self)
-        check_lora(self)
         check_loss(self)
         check_overlong(self)
         ckpt = self.checkpointing
@@ -861,15 +860,6 @@ def check_tensor_parallel(cfg: Config) -> None:
         raise ValueError(f"policy.generation.tensor_parallel_size={size} must divide cluster.gpus_per_node="
                          f"{cluster.gpus_per_node} (a group of {size} consecutive ranks generates together on "
                          "one node, never across nodes)")
-
-
-def check_lora(cfg: Config) -> None:
-    """LoRA runs on one worker for now: FSDP2 over a frozen 16-bit base with fp32 adapters (mixed
-    dtypes in one unit) is not built yet."""
-    world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
-    if cfg.policy.lora.enabled and world > 1:
-        raise ValueError(f"policy.lora.enabled=true trains on one worker so far, but cluster.num_nodes × "
-                         f"cluster.gpus_per_node = {world}: set both to 1 (LoRA over FSDP2 is not built yet)")
 
 
 def flat_dict(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -359,13 +359,14 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool, 
     share = world if sharded else 1
     w = 4 if master == "fp32" else 2
     moments = 8 if master in ("fp32", "bf16_stochastic") else 2 * w
-    # LoRA (one worker): the frozen base in the compute dtype is the reference too (no copy); the
-    # adapters, their gradients and moments are fp32 (rlscale.models.lora)
+    # LoRA: the frozen base in the compute dtype is the reference too (no copy); the adapters, their
+    # gradients and moments are fp32 (rlscale.models.lora); over several workers FSDP2 shards both
+    # and gathers each in its own dtype (no MixedPrecisionPolicy)
     adapters = shape.lora_parameters(p.lora.rank, p.lora.target_modules or LORA_LINEAR_MODULES) \
         if p.lora.enabled else 0
     if adapters:
-        casts = sharded = False
-        share, w, moments = 1, c, 0
+        casts, sharded = False, world > 1
+        share, w, moments = world if sharded else 1, c, 0
     unit = max(min(p.fsdp_layers_per_unit, layers) * shape.layer_parameters(), shape.outside_parameters())
     compiled = p.compile if p.compile is not None else gpu and not casts  # workers.model_setup.auto_compile
     scale = c / 2
@@ -432,10 +433,17 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool, 
     else:  # reduce-scattered unit by unit (into the sharded gradients of earlier micro-batches)
         earlier = params * w / share if micro_batches > 1 else 0
         grads = earlier + 2 * unit * c if sharded else shape.layer_parameters() * w
-    if adapters:  # only the adapters have gradients; the whole step's exist by the last backward
-        base.update({"master weights": adapters * 4, "moments": adapters * 8, "reference": 0})
+    if adapters:  # only the adapters have gradients; the whole step's exist (unsharded) by the last backward
+        # the base (its shard when sharded; `gathered` adds the whole while it is held gathered)
+        base.update({"training weights": params * c / share, "master weights": adapters * 4 / share,
+                     "moments": adapters * 8 / share, "reference": 0})
         grads = adapters * 4
-    head = vocab * hidden * (4 * (HEAD_GRAD_FP32_COPIES if gpu and c == 2 else 1) + (c if c != 4 else 0))
+        # a unit's adapter gradients reduce-scattered in fp32; one unit of the base gathered in
+        # flight when the policy is not held gathered
+        reduce = (adapters * min(p.fsdp_layers_per_unit, layers) / layers * 4 * (1 + 1 / world)
+                  + (0 if s.keep_gathered else gather)) if sharded else 0
+    # the LM head's weight gradient (none under LoRA: the head stays frozen, only its input's flows)
+    head = 0 if adapters else vocab * hidden * (4 * (HEAD_GRAD_FP32_COPIES if gpu and c == 2 else 1) + (c if c != 4 else 0))
     largest = max(vocab * hidden, shape.intermediate_size * hidden) / share
     step = largest * (STOCHASTIC_STEP_BYTES if master == "bf16_stochastic" else 0 if gpu else PLAIN_STEP_BYTES)
 
@@ -455,11 +463,12 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool, 
     if reference or optimizer_steps > 1:  # the reference's and pi_old's logprob passes
         phases.append(phase("logprobs", {  # the sharded reference gathered whole, or one unit at a time
             "reference": params * c if ref_sharded and s.keep_gathered else 0,
-            "transient gathers": gather if ref_sharded else 0,
+            # LoRA: the base's passes are the sharded policy's, gathered as the update's are
+            "transient gathers": gather if ref_sharded or (adapters and sharded and not s.keep_gathered) else 0,
             "activations": tokens * forward_only + outside, "logits chunk": logits}))
     phases.append(phase("update", {"gradients": grads, "transient gathers": reduce,
                                    "activations": activations, "logits chunk": logits, "head gradient": head}))
-    phases.append(Phase("optimizer step", {**base, "gradients": adapters * 4 or params * w / share,  # resharded
+    phases.append(Phase("optimizer step", {**base, "gradients": (adapters * 4 or params * w) / share,  # resharded
                                            "optimizer temporaries": step}))
     return phases
 
@@ -489,7 +498,7 @@ def _options(cfg: Config, shape: ModelShape, world: int, gpu: bool, budget: int 
     elif plan and p.dtype != "float16" and _compute_bytes(cfg, gpu, "fp32") == 2:  # stochastic rounding is bf16
         masters = ["fp32", "bf16_stochastic", "bf16"] if free else ["fp32", "bf16_stochastic"]
     references = [False]  # none, or a worker alone (it shards only when W > 1)
-    if cfg.loss.reference_policy_kl_penalty > 0 and world > 1:
+    if cfg.loss.reference_policy_kl_penalty > 0 and world > 1 and not p.lora.enabled:  # LoRA: the base is it
         if not auto["shard_reference"]:
             references = [p.shard_reference]
         elif plan and not free and shape.parameter_count() * _compute_bytes(cfg, gpu, "fp32") > 0.1 * budget:

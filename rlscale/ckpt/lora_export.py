@@ -5,8 +5,8 @@
   directory in the base's dtype; `from_pretrained` loads it, no PEFT needed;
 - adapter: PEFT's adapter directory (adapter_config.json, adapter_model.safetensors), which
   `PeftModel.from_pretrained(base, dir)` loads.
-The base is loaded from its own files (policy.model_name), so the export holds it in host memory
-twice for a merge (the adapted model and the plain one that is saved).
+The base is loaded from its own files (policy.model_name), once: the merge folds each adapter
+into its base layer in place (one merged weight in fp32 beside it at a time).
 """
 
 from __future__ import annotations
@@ -35,6 +35,22 @@ def trains_lora(step_dir: Path) -> bool:
     return bool((((saved or {}).get("policy") or {}).get("lora") or {}).get("enabled"))
 
 
+def saved_adapters(step_dir: Path) -> dict[str, torch.Tensor]:
+    """The step's adapters by name, whole: from policy/'s files (one worker's save), or assembled
+    from every rank's rows (the sharded layout, rlscale/ckpt/ranges.py; checksums checked)."""
+    from rlscale.ckpt import layout
+    from rlscale.ckpt.reader import read_whole
+
+    manifest = layout.read_manifest(step_dir)
+    if "tensors" in manifest:
+        return {name: read_whole(entry, step_dir) for name, entry in manifest["tensors"].items()
+                if entry["ranges"] and entry["ranges"][0]["file"].startswith("policy/")}
+    saved: dict[str, torch.Tensor] = {}
+    for path in sorted((step_dir / "policy").glob("*.safetensors")):
+        saved.update(load_file(path))
+    return saved
+
+
 def adapted_model(step_dir: Path, cfg):
     """The base with the step's adapters loaded into it (CPU, the base's own dtype)."""
     from rlscale.models import load_model
@@ -43,9 +59,7 @@ def adapted_model(step_dir: Path, cfg):
     policy = cfg.policy
     model = load_model(policy.model_name, "auto", torch.device("cpu"), policy.trust_remote_code)
     add_adapters(model, policy.lora)
-    saved: dict[str, torch.Tensor] = {}
-    for path in sorted((step_dir / "policy").glob("*.safetensors")):
-        saved.update(load_file(path))
+    saved = saved_adapters(step_dir)
     params = {name: p for name, p in model.named_parameters() if is_adapter(name)}
     missing, unknown = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
     if missing or unknown:
@@ -59,8 +73,7 @@ def adapted_model(step_dir: Path, cfg):
 
 def write_lora_export(step_dir: Path, staging: Path, adapter: bool) -> None:
     """The step's export into `staging` (an empty directory the caller moves into place)."""
-    from rlscale.models import load_model, load_tokenizer
-    from rlscale.models.lora import merged_parameters
+    from rlscale.models import load_tokenizer
 
     cfg = saved_config(step_dir)
     policy = cfg.policy
@@ -79,14 +92,24 @@ def write_lora_export(step_dir: Path, staging: Path, adapter: bool) -> None:
         save_file({f"base_model.model.{k}": v.contiguous() for k, v in state.items()},
                   staging / "adapter_model.safetensors", metadata={"format": "pt"})
         return
-    dtype = next(p.dtype for n, p in model.named_parameters() if ".base_layer." in n)
-    merged = {name: tensor.to(dtype) for name, tensor in merged_parameters(model)}
-    del model
-    plain = load_model(policy.model_name, dtype, torch.device("cpu"), policy.trust_remote_code)
-    result = plain.load_state_dict(merged, strict=False)
-    tied = {"lm_head.weight"} if plain.config.tie_word_embeddings else set()
-    if set(result.missing_keys) - tied or result.unexpected_keys:
-        raise UserError(f"checkpoint {str(step_dir)!r}: the merged weights do not fit {policy.model_name!r} "
-                        f"(missing {result.missing_keys[:2]}, unexpected {result.unexpected_keys[:2]})")
-    plain.save_pretrained(staging)
+    merge_in_place(model)
+    model.save_pretrained(staging)
     load_tokenizer(policy.tokenizer_name or policy.model_name, policy.trust_remote_code).save_pretrained(staging)
+
+
+@torch.no_grad()
+def merge_in_place(model) -> None:
+    """Fold each LoRA layer into its base layer (base + delta, computed in fp32, stored in the
+    base's dtype) and put the base layer back in its place: the plain Hugging Face model, with
+    no second copy of the base (one merged weight in fp32 at a time)."""
+    from rlscale.models.lora import adapter_layers, merged_weight
+
+    layers = adapter_layers(model)
+    for layer in layers:
+        weight = layer.get_base_layer().weight
+        weight.copy_(merged_weight(layer).full().to(weight.dtype))
+    adapted = {id(layer) for layer in layers}
+    for name, module in list(model.named_modules()):
+        if id(module) in adapted:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, module.get_base_layer())

@@ -160,6 +160,16 @@ def read_pieces(pieces: list, readers: int) -> int:
     return sum(f.result() for f in futures)
 
 
+def read_whole(entry: dict, step_dir, verify: bool = True) -> torch.Tensor:
+    """One whole tensor of the sharded layout (its manifest `entry`), assembled on the host from
+    every rank's rows, each range's checksum checked when `verify`."""
+    from rlscale.ckpt import ranges
+
+    tensor = torch.empty(tuple(entry["shape"]), dtype=tensorfile.CODE_DTYPES[entry["dtype"]])
+    read_pieces(ranges.plan_reads(entry, Path(step_dir), 0, ranges.rows_of(tensor.shape), tensor, verify), 1)
+    return tensor
+
+
 def _read_piece(fd: int, piece) -> int:
     dest = piece.dest
     direct = (piece.checksum is None and not dest.is_cuda and dest.dtype == piece.dtype and dest.is_contiguous())

@@ -79,13 +79,13 @@ def export_policy(step_dir: Path, out: Path, adapter: bool = False) -> Path:
     staging = (out / ".rlscale-export-tmp") if existing else out.parent / f".{out.name}.export-tmp-{os.getpid()}"
     try:
         staging.mkdir(parents=True)
-        if lora:
+        if lora:  # the adapters, in either layout, merged into the base (or PEFT's directory)
             write_lora_export(step_dir, staging, adapter)
             policy_files = []
         else:
             dtype = _model_dtype(step_dir / prefix / "config.json")
-        if weights is not None:
-            _write_hf_shards(step_dir, weights, staging, dtype)
+            if weights is not None:
+                _write_hf_shards(step_dir, weights, staging, dtype)
         for rel in policy_files:
             target = staging / rel[len(prefix):]
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +131,7 @@ def _write_hf_shards(step_dir: Path, weights: dict[str, dict], out: Path, dtype)
     import torch
 
     from rlscale.ckpt import ranges, tensorfile
-    from rlscale.ckpt.reader import read_pieces
+    from rlscale.ckpt.reader import read_whole
 
     def exported(entry):
         saved = tensorfile.CODE_DTYPES[entry["dtype"]]
@@ -154,9 +154,7 @@ def _write_hf_shards(step_dir: Path, weights: dict[str, dict], out: Path, dtype)
         with open(out / file_name, "wb") as handle:
             handle.write(plan.header)
             for slot in plan.slots:  # one whole tensor in memory at a time
-                entry = weights[slot.name]
-                saved = torch.empty(tuple(entry["shape"]), dtype=tensorfile.CODE_DTYPES[entry["dtype"]])
-                read_pieces(ranges.plan_reads(entry, step_dir, 0, ranges.rows_of(saved.shape), saved, True), 1)
+                saved = read_whole(weights[slot.name], step_dir)
                 handle.write(memoryview(tensorfile.as_bytes(saved.to(slot.dtype)).numpy()))
                 weight_map[slot.name] = file_name
                 del saved

@@ -8,12 +8,14 @@ Three views of one model:
   exactly the base, so the KL penalty needs no second copy;
 - the merged model, by the base's own Hugging Face names (`merged_parameters`): each adapted
   weight is base + (alpha / r) B A, computed anew from the untouched base at every call (never
-  merged into the base in place, which would drift in bf16). The rollout engine copies these.
+  merged into the base in place, which would drift in bf16). The rollout engine copies these,
+  each rank merging only its tensor-parallel slice (`MergedWeight`).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -46,6 +48,26 @@ def add_adapters(model, lora: LoraConfig) -> None:
             param.requires_grad_(True)
 
 
+@torch.no_grad()
+def init_adapters(model, seed: int) -> None:
+    """PEFT's default initialisation drawn anew, the same at every worker count: each A
+    kaiming-uniform as nn.Linear's (bound 1 / sqrt(fan_in)), drawn whole from one generator keyed
+    by `seed` in the model's order, each B zeros; an FSDP2-sharded adapter keeps its rows. Called
+    once the model is sharded and materialised: a meta-device load (rlscale.models.sharded_load)
+    leaves the adapters unset, and PEFT's own draws depend on each rank's RNG."""
+    from rlscale.ckpt.sharded import assign
+
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if not is_adapter(name):
+            continue
+        full = torch.zeros(param.shape)
+        if ".lora_A." in name:
+            bound = 1.0 / math.sqrt(param.shape[1])
+            full.uniform_(-bound, bound, generator=generator)
+        assign(param, full.to(param.dtype))
+
+
 def is_adapter(name: str) -> bool:
     return ".lora_" in name
 
@@ -75,30 +97,70 @@ def base_name(name: str) -> str:
     return name.replace(BASE, ".")
 
 
-def merged_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """(base name, merged weight) for every base parameter, in the model's order: an adapted
-    weight is base + delta in fp32 (PEFT's get_delta_weight: scaling × B @ A), the rest as they
-    are. One tensor is made at a time; consume it before the next (see `merged_by_layer`)."""
+class MergedWeight:
+    """An adapted weight W + scaling × B @ A, computed in fp32 only for the slice asked for
+    (`narrow`): a tensor-parallel rank of the rollout engine merges its own rows or columns (a
+    column-parallel slice takes B's rows, a row-parallel one A's columns), never the whole weight.
+    `shape`, `detach` and `narrow` are what the engine's copy (rlscale.rollout.weights) reads."""
+
+    def __init__(self, base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float):
+        self.base, self.lora_a, self.lora_b, self.scaling = base, lora_a, lora_b, scaling
+        self.shape = base.shape
+
+    def detach(self) -> MergedWeight:
+        return self
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        a, b = self.lora_a.detach().float(), self.lora_b.detach().float()
+        if dim == 0:
+            b = b.narrow(0, start, length)
+        else:
+            a = a.narrow(1, start, length)
+        return self.base.detach().narrow(dim, start, length).float() + (b @ a) * self.scaling
+
+    def full(self) -> torch.Tensor:
+        return self.narrow(0, 0, self.shape[0])
+
+
+def merged_weight(layer, base: torch.Tensor | None = None) -> MergedWeight:
+    """A LoRA layer's merged weight; `base`: its base weight as handed over (a gathered FSDP2
+    unit's), by default the layer's own."""
+    base = layer.get_base_layer().weight if base is None else base
+    return MergedWeight(base, layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight, layer.scaling[ADAPTER])
+
+
+def merged_pairs(model, pairs) -> Iterator[tuple[str, torch.Tensor | MergedWeight]]:
+    """The base parameters among `pairs` (model-level name, tensor) under their base names, each
+    adapted weight as a MergedWeight over the model's current adapters (so under FSDP2 the unit
+    holding them must be gathered), the rest as they are; the adapters themselves are left out."""
     modules = dict(model.named_modules())
-    for name, param in model.named_parameters():
+    for name, tensor in pairs:
         if is_adapter(name):
             continue
         owner, sep, leaf = name.partition(BASE)
         if sep and leaf == "weight":
-            delta = modules[owner].get_delta_weight(ADAPTER)
-            yield base_name(name), param.detach().float() + delta
+            yield base_name(name), merged_weight(modules[owner], tensor)
         else:
-            yield base_name(name), param.detach()
+            yield base_name(name), tensor
 
 
-def merged_by_layer(model) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """merged_parameters in groups of one decoder layer (and one group for each parameter outside
-    the layers): the transient memory of a merge is one layer's adapted weights in fp32."""
+def merged_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(base name, merged weight) for every base parameter, in the model's order: an adapted
+    weight is base + delta in fp32, the rest as they are. One tensor is made at a time; consume
+    it before the next."""
+    for name, value in merged_pairs(model, model.named_parameters()):
+        yield name, value.full() if isinstance(value, MergedWeight) else value.detach()
+
+
+def merged_by_layer(model) -> Iterator[list[tuple[str, torch.Tensor | MergedWeight]]]:
+    """merged_pairs of the whole model in groups of one decoder layer (and one group for each
+    parameter outside the layers), for the rollout engine's copy, which makes each merged slice
+    as it copies it: the transient memory is one layer's merged slices in fp32."""
     def layer_of(pair):
         parts = pair[0].split(".")
         return ".".join(parts[:3]) if "layers" in parts[:3] else pair[0]
 
-    for _, group in itertools.groupby(merged_parameters(model), key=layer_of):
+    for _, group in itertools.groupby(merged_pairs(model, model.named_parameters()), key=layer_of):
         yield list(group)
 
 

@@ -101,8 +101,10 @@ class _Target(NamedTuple):
     dim: int = 0
     start: int = 0
 
-    def cut(self, full: torch.Tensor) -> torch.Tensor:
-        if tuple(full.shape) == tuple(self.tensor.shape):
+    def cut(self, full) -> torch.Tensor:
+        """This rank's slice of `full`: a tensor, or anything with its `shape` and `narrow` that
+        makes the slice on request (a LoRA weight merged slice by slice, rlscale.models.lora)."""
+        if isinstance(full, torch.Tensor) and tuple(full.shape) == tuple(self.tensor.shape):
             return full
         return full.narrow(self.dim, self.start, self.tensor.shape[self.dim])
 

@@ -9,7 +9,7 @@ import torch
 from rlscale.config import PolicyConfig
 from rlscale.models import load_model
 from rlscale.models.loading import local_weights_dir
-from rlscale.models.lora import add_adapters
+from rlscale.models.lora import add_adapters, init_adapters
 from rlscale.models.packed_attention import use_packed_attention
 from rlscale.models.sharded_load import load_sharded
 from rlscale.workers import distributed
@@ -17,9 +17,10 @@ from rlscale.workers.precision import Precision
 
 
 def build_policy(policy: PolicyConfig, precision: Precision, device: torch.device, sharded: bool,
-                 world_size: int, compiled: bool):
+                 world_size: int, compiled: bool, seed: int):
     """The trained model, in precision.weights. Sharded with the weights on local disk, it is
-    built on the meta device, each rank reading only the shards it keeps (no whole copy)."""
+    built on the meta device, each rank reading only the shards it keeps (no whole copy).
+    LoRA adapters start from `seed` (the same at every rank and worker count)."""
 
     def prepare(model) -> None:
         """Activation checkpointing, then compile, then FSDP2, as torchtitan orders them."""
@@ -36,9 +37,12 @@ def build_policy(policy: PolicyConfig, precision: Precision, device: torch.devic
 
     weights_dir = local_weights_dir(policy.model_name, policy.trust_remote_code)
     if sharded and weights_dir is not None:
-        return load_sharded(weights_dir, precision.weights, device, prepare, policy.trust_remote_code)
-    model = load_model(policy.model_name, precision.weights, device, policy.trust_remote_code)
-    prepare(model)
+        model = load_sharded(weights_dir, precision.weights, device, prepare, policy.trust_remote_code)
+    else:
+        model = load_model(policy.model_name, precision.weights, device, policy.trust_remote_code)
+        prepare(model)
+    if policy.lora.enabled:
+        init_adapters(model, seed)
     return model
 
 

@@ -23,7 +23,7 @@ from rlscale.errors import UserError
 from rlscale.grpo.loss import grpo_token_loss, importance_weights, kl_estimate, loss_weights
 from rlscale.models import PromptRenderer, load_tokenizer, pick_device, stop_token_ids
 from rlscale.models.logprob_head import packed_logprobs
-from rlscale.models.lora import BaseNamesView, adapters_disabled, merged_by_layer
+from rlscale.models.lora import BaseNamesView, adapters_disabled, merged_by_layer, merged_pairs
 from rlscale.models.prompts import decode_responses
 from rlscale.workers.batch import Rollouts, TrainBatch
 from rlscale.rollout import (RolloutEngine, SamplingParams, StopStrings, TensorParallel, round_up,
@@ -99,14 +99,16 @@ class PolicyWorker(state_io.CheckpointableWorker):
             self.tokenizer, policy.prompt_format,
             max_prompt_tokens=policy.max_total_sequence_length - policy.generation.max_new_tokens)
         self.compiled = policy.compile if policy.compile is not None else auto_compile(self.device, self.precision)
-        self.model = build_policy(policy, self.precision, self.device, self.sharded, world_size, self.compiled)
+        self.model = build_policy(policy, self.precision, self.device, self.sharded, world_size, self.compiled,
+                                  seed=cfg.grpo.seed)
         self._rollout: RolloutEngine | None = None
         self._rollout_unsupported = False
         self.last_generation_timings: dict[str, float] = {}
         self.reference, self.reference_sharded = None, False
         self.lora = policy.lora.enabled
         if cfg.loss.reference_policy_kl_penalty > 0 and self.lora:
-            self.reference = self.model  # with its adapters switched off (self._as_reference)
+            # the policy itself with its adapters switched off (self._as_reference), sharded as it is
+            self.reference, self.reference_sharded = self.model, self.sharded
         elif cfg.loss.reference_policy_kl_penalty > 0:
             self.reference, self.reference_sharded = build_reference(policy, self.dtype, self.device, world_size,
                                                                      self.compiled)
@@ -195,8 +197,13 @@ class PolicyWorker(state_io.CheckpointableWorker):
         then decodes alone). With policy.keep_gathered the whole model is gathered (and kept so
         for the update when `keep`); otherwise one FSDP2 unit at a time (the transient memory of
         one unit: what the memory plan counts on when the gathered model does not fit)."""
-        if self.lora:  # base + adapters merged afresh, one decoder layer at a time
-            filled = [name for layer in merged_by_layer(self.model) for name in engine.weights.copy_named(layer)]
+        if self.lora:  # base + adapters merged afresh (this rank's tensor-parallel slice only)
+            if self.sharded and not self.keep_gathered:  # one FSDP2 unit gathered at a time
+                filled = distributed.streamed_sync(
+                    self.model, lambda pairs: engine.weights.copy_named(merged_pairs(self.model, pairs)))
+            else:  # one decoder layer at a time, of the model gathered whole
+                with distributed.gathered(self.model, self.sharded, keep=keep):
+                    filled = [name for layer in merged_by_layer(self.model) for name in engine.weights.copy_named(layer)]
             missing = engine.weights.missing_after(filled)
             if missing:
                 raise ValueError(f"rollout engine: the merged sync left {missing[:3]} unfilled")
@@ -323,8 +330,9 @@ class PolicyWorker(state_io.CheckpointableWorker):
                if len(steps) > 1 else None
                for p in packs]
         in_loss = self.reference is not None and not self.cfg.loss.use_kl_in_reward  # else sequence_kl's
+        keep_ref = self.keep_gathered and self.reference is self.model  # LoRA: gathered on for the update
         with self._as_reference(in_loss):
-            ref = [self._pack_logprobs(self.reference, p, self.reference_sharded, False, whole=self.keep_gathered)
+            ref = [self._pack_logprobs(self.reference, p, self.reference_sharded, keep_ref, whole=self.keep_gathered)
                    if in_loss else None for p in packs]
         self.profiler.mark("old and reference logprobs")
         if len(steps) > 1 or in_loss:

@@ -16,7 +16,10 @@ from rlscale.memory_plan import ModelShape
 from rlscale.models.lora import (BaseNamesView, adapter_layers, adapters_disabled, add_adapters, is_adapter,
                                  merged_by_layer, merged_parameters)
 from rlscale.rollout import RolloutEngine, SamplingMode
+from rlscale.rollout import TensorParallel
+from rlscale.rollout.weights import DecodeWeights
 from tests.rollout.test_engine import SMALL, hf_greedy, ragged_prompts
+from tests.rollout.test_tensor_parallel import engine_slices
 
 
 def adapted(targets=None, seed: int = 0):
@@ -83,6 +86,23 @@ def test_engine_with_merged_weights_generates_hf_generates_tokens_on_the_adapted
     assert out.tokens == hf_greedy(model, prompts, 20)
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_tensor_parallel_rank_merges_exactly_its_slice(size):
+    """Each rank's engine, filled from the adapted model (every weight merged only over that
+    rank's rows or columns), holds the slices of the merged model's full weights."""
+    model, _ = adapted()
+    plain = Qwen2ForCausalLM(Qwen2Config(**SMALL, tie_word_embeddings=False)).eval()
+    plain.load_state_dict(dict(merged_parameters(model)))
+    for rank in range(size):
+        tp = TensorParallel(rank, size)
+        merged = DecodeWeights(BaseNamesView(model), torch.device("cpu"), torch.float32, tp, sync=False)
+        filled = [name for layer in merged_by_layer(model) for name in merged.copy_named(layer)]
+        assert merged.missing_after(filled) == []
+        expected = engine_slices(DecodeWeights(plain, torch.device("cpu"), torch.float32, tp))
+        for name, tensor in engine_slices(merged).items():
+            torch.testing.assert_close(tensor, expected[name], atol=1e-6, rtol=0, msg=f"rank {rank}: {name}")
+
+
 def test_the_plan_counts_pefts_adapter_parameters():
     for targets in (None, ["q_proj", "v_proj"], ["down_proj"]):
         model, _ = adapted(targets)
@@ -105,7 +125,6 @@ def test_a_target_the_model_lacks_is_named():
     (["policy.lora.target_modules=[]"], "policy.lora.target_modules is empty"),
     (["policy.lora.enabled=true", "policy.master_weights=bf16_stochastic"],
      "policy.master_weights=bf16_stochastic with policy.lora.enabled=true"),
-    (["policy.lora.enabled=true", "cluster.gpus_per_node=2"], "policy.lora.enabled=true trains on one worker so far"),
 ])
 def test_bad_lora_settings_are_refused(overrides, message):
     with pytest.raises(Exception, match=message):
