@@ -1,9 +1,10 @@
 """LoRA on the built-in job (policy.lora.enabled): held-out accuracy rises, a resume is bit-exact,
 a step holds the adapters alone, and both exports (the merged model, PEFT's adapter directory)
-load and give the run's logits.
+load and give the run's logits; on 2 workers too, from the sharded layout.
 
-Measured on 2026-12-05 (2-core CPU, these settings, 256 held-out problems): 0.191 -> 0.328 in
-10 steps (rank 16, alpha 32, lr 1e-3; 21 s); the bound leaves room for another CPU's rounding."""
+Measured on 2026-12-05 (2-core CPU, these settings, 256 held-out problems): 0.191 -> 0.359 in
+10 steps (rank 16, alpha 32, lr 1e-3; 22 s; the same 0.359 on 2 workers, 25 s); the bound leaves
+room for another CPU's rounding."""
 
 from __future__ import annotations
 
@@ -80,3 +81,37 @@ def test_both_exports_load_and_give_the_runs_logits(tmp_path):
         assert (base(ids).logits - want).abs().max() > 1e-2  # the adapters trained, far beyond that rounding
     bad = run_cli("ckpt", "export", "--adapter", str(step), str(tmp_path / "merged"), cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.startswith("rlscale: error: export target")
+
+
+def test_two_workers_resume_bit_exact_and_export_from_the_sharded_adapters(tmp_path):
+    """LoRA on 2 CPU workers (Ray actors, FSDP2 over gloo): the step holds each rank's rows of the
+    adapters (the sharded layout), a resume from it is bit-exact, and its merged export gives the
+    run's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from rlscale.ckpt import layout
+    from rlscale.ckpt.lora_export import adapted_model, saved_config
+
+    two = [*LORA, "cluster.gpus_per_node=2", "cluster.use_gpus=false", "policy.device=cpu", "rewards.num_workers=1",
+           "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.save_period=2"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for log_dir, steps in ((straight, 3), (resumed, 2), (resumed, 3)):
+        result = run_cli("train", *two, f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}", cwd=tmp_path,
+                         timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((resumed / "summary.json").read_text())["resumed_from"].endswith("step_2")
+    a, b = comparable(train_rows(straight / "metrics.jsonl")), comparable(train_rows(resumed / "metrics.jsonl"))
+    assert a[3] == b[3] and a[3]["train/kl"] > 0
+
+    step = resumed / "checkpoints" / "step_2"
+    tensors = layout.read_manifest(step)["tensors"]  # the sharded layout: every rank wrote its rows
+    policy = [name for name, entry in tensors.items() if entry["ranges"][0]["file"].startswith("policy/")]
+    assert policy and all(".lora_" in name for name in policy)
+    assert any(len(tensors[name]["ranges"]) == 2 for name in policy)
+    export = run_cli("ckpt", "export", str(step), str(tmp_path / "merged"), cwd=tmp_path)
+    assert export.returncode == 0, export.stderr[-2000:]
+    ids = torch.tensor([[5, 17, 9, 30, 2, 11, 4]])
+    with torch.no_grad():
+        want = adapted_model(step, saved_config(step)).eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        torch.testing.assert_close(merged(ids).logits, want, atol=1e-4, rtol=0)
