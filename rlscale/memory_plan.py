@@ -595,6 +595,9 @@ def save_figures(cfg: Config, shape: ModelShape, s: Settings, gpu: bool) -> Save
     moments = 8 if master in ("fp32", "bf16_stochastic") else 2 * w
     nodes, per_node = cfg.cluster.num_nodes, cfg.cluster.gpus_per_node
     params = shape.parameter_count()
+    if cfg.policy.lora.enabled:  # a LoRA step holds the fp32 adapters and their moments alone
+        lora = cfg.policy.lora
+        params, w, moments = shape.lora_parameters(lora.rank, lora.target_modules or LORA_LINEAR_MODULES), 4, 8
     ck = cfg.checkpointing
     return SaveFigures(nodes, per_node, "fp32" if w == 4 else "bf16", math.ceil(params * w / nodes),
                        math.ceil(params * moments / nodes), per_node * SMALL_STATE_BYTES_PER_RANK,
@@ -690,9 +693,12 @@ def plan_memory(cfg: Config, shape: ModelShape | None, budget_bytes: int | None,
     sixteen = _compute_bytes(cfg, gpu, s.master_weights) == 2
     micro_batches, tokens = micro_batching(cfg, world, s.train_micro_batch_tokens)
     reference = ("none" if cfg.loss.reference_policy_kl_penalty == 0 else
+                 "the base (adapters off)" if p.lora.enabled else
                  "sharded" if world > 1 and s.shard_reference else "whole per GPU")
-    notes = (f"{'bf16' if sixteen else 'fp32'} compute{'' if gpu else ' (CPU workers)'}, master weights "
-             f"{s.master_weights if sixteen else 'fp32'}, activation checkpointing "
+    master = (f"LoRA rank {p.lora.rank}, frozen base, adapters fp32" if p.lora.enabled else
+              f"master weights {s.master_weights if sixteen else 'fp32'}")
+    notes = (f"{'bf16' if sixteen else 'fp32'} compute{'' if gpu else ' (CPU workers)'}, {master}, "
+             "activation checkpointing "
              f"{'on' if s.activation_checkpointing else 'off'}, policy "
              f"{'kept gathered through the update' if s.keep_gathered else 'gathered one unit at a time'}, "
              f"reference {reference}, {micro_batches} "
@@ -766,7 +772,8 @@ def _picks(cfg, shape, world, gpu, budget, options, chosen: Settings):
             continue  # the user's
         if key == "master_weights" and len(tried) == 1 or key == "train_micro_batch_tokens" and value == tried[0]:
             continue  # nothing to choose (fp32 compute, fp16), or the derived budget kept as it is
-        if key == "shard_reference" and (cfg.loss.reference_policy_kl_penalty == 0 or world == 1):
+        if key == "shard_reference" and (cfg.loss.reference_policy_kl_penalty == 0 or world == 1
+                                         or cfg.policy.lora.enabled):  # LoRA: the reference is the base
             continue
         if key == "keep_gathered" and world == 1 and (
                 chosen.master_weights == "bf16" or _compute_bytes(cfg, gpu, chosen.master_weights) == 4):

@@ -249,6 +249,72 @@ def test_seed_72b_job_fits_on_b200s_at_tensor_parallel_size_8():
     assert plan_.as_dict()["tensor_parallel_size"] == 8
 
 
+def test_seed_72b_job_with_lora_shards_the_frozen_base_and_holds_no_reference():
+    """The same job with rank-64 LoRA on every linear layer of the blocks: FSDP2 shards the frozen
+    bf16 base over the 64 workers (no MixedPrecisionPolicy: the layers compile), the fp32 adapters,
+    their gradients and moments; the base with its adapters off is the reference (no copy), and the
+    frozen LM head has no weight gradient. Every component worked out by hand below."""
+    lora = ["policy.lora.enabled=true", "policy.lora.rank=64"]
+    cfg, plan_ = plan([*SEED_72B, "policy.generation.tensor_parallel_size=8", *lora], 180 * 10**9)
+    assert plan_.fits and plan_.refusal() is None and plan_.tensor_parallel_size == 8
+    # fp32 adapters are no choice (no master_weights pick); no reference to shard: the base is it
+    assert {k.key: k.value for k in plan_.picks} == {"activation_checkpointing": True, "keep_gathered": False}
+    assert "LoRA rank 64, frozen base, adapters fp32" in plan_.notes[0]
+    assert "reference the base (adapters off)" in plan_.notes[0]
+    p = qwen2_params(8192, 80, 64, 8, 29568, 152064, False)  # 72,706,203,648
+    layer = qwen2_params(8192, 1, 64, 8, 29568, 0, True) - 8192  # 877,684,736
+    root = 2 * 152064 * 8192 + 8192
+    unit = 6 * layer  # 5.27e9 > the root's 2.49e9
+    # A (64 × in) and B (out × 64) per projection: q and o 8192 + 8192, k and v 8192 + 1024 (8 kv heads
+    # of 128), gate, up and down 8192 + 29568
+    adapters = 80 * 64 * (2 * (8192 + 8192) + 2 * (8192 + 1024) + 3 * (8192 + 29568))  # 842,137,600
+    assert adapters == plan_.shape.lora_parameters(64, mp.LORA_LINEAR_MODULES)
+    engine_layer = 8192 * (1024 + 2 * 128) + 1024 * 8192 + (1024 + 2 * 128) + 3 * 8192 * 3696 + 2 * 8192
+    engine = 2 * (80 * engine_layer + 2 * 19008 * 8192 + 8192)  # one rank's 1/8 of the engine: 18.2
+    base = {"training weights": 2 * p / 64,  # the frozen bf16 base, sharded over 64: 2.3
+            "master weights": 4 * adapters / 64,  # the fp32 adapters, sharded: 0.05
+            "moments": 8 * adapters / 64,  # 0.1
+            # no reference: the base with its adapters off
+            "rollout-engine weights": engine,
+            "KV cache": 32 * 4096 * 2 * 80 * 1 * 128 * 2,  # 32 slots × 4096, one kv head of 128: 5.4
+            "decode buffers": 32 * (152064 * 16 + 3584 * 12)}  # 0.08
+    tokens = 4 * 4096  # 4 samples a GPU: one micro-batch of 16384 tokens
+    outside = tokens * 12 * 8192
+    gather = unit * 2 * (1 + 1 / 64)  # one unit of the bf16 base in flight, output and input: 10.7
+    # the compiled logits chunk (no FSDP2 casts under LoRA: policy.compile's default is on), 4 bytes an element: 1.2
+    logits = 2048 * 152064 * 4
+    by_hand = {
+        # streamed as without LoRA: the root unit gathered (5.0) and one unit of 6 layers in flight (10.7)
+        "weight sync": 2 * root + gather,
+        "generation": 16384 * (12 * 8192 + 8 * 3696),  # prefill, the rank's MLP (29568 / 8): 2.1
+        # the reference's pass is the sharded base's, gathered one unit at a time as the update's
+        "logprobs": gather + tokens * (12 * 8192 + 8 * 29568) + outside + logits,
+        # the whole step's fp32 adapter gradients, unsharded (3.4); a unit's (6 of 80 layers) reduce-scattered
+        # in fp32 (0.26) beside the base's unit in flight (10.7); checkpointed activations (80 layers' bf16
+        # inputs and two compiled layers' saved tensors, SAVED_COMPILED: 31.7); the logits chunk; no head gradient
+        "update": 4 * adapters + adapters * 6 / 80 * 4 * (1 + 1 / 64) + gather
+        + tokens * (80 * 2 * 8192 + 2 * (6 * 8192 + 4 * 8192 + 4 * 1024 + 6 * 29568)) + outside + logits,
+        "optimizer step": 4 * adapters / 64,  # the fp32 adapter gradients, resharded (fused AdamW: no temporaries)
+    }
+    totals = {name: (sum(base.values()) + extra) / GB for name, extra in by_hand.items()}
+    assert {ph.name: ph.total / GB for ph in plan_.phases} == pytest.approx(totals, rel=1e-9)
+    assert phase(plan_, "update").components["head gradient"] == 0
+    assert all(ph.components["reference"] == 0 for ph in plan_.phases)
+    # the planner's totals, GB per GPU
+    assert totals == pytest.approx({"weight sync": 41.7, "generation": 28.2, "logprobs": 45.1, "update": 73.3,
+                                    "optimizer step": 26.1}, abs=0.1)
+    # every phase below the same job's full training (55.2, 41.6, 62.3, 134.7, 44.1)
+    _, full = plan([*SEED_72B, "policy.generation.tensor_parallel_size=8"], 180 * 10**9)
+    assert [ph.name for ph in full.phases] == [ph.name for ph in plan_.phases]
+    assert all(ph.total < phase(full, ph.name).total for ph in plan_.phases)
+    # a save holds the fp32 adapters and their two moments alone: 1.26 GB a node, 0.63 s at 2 GB/s,
+    # within the 15 s spot grace (the whole model's fp32 state: 109.1 GB, 54.5 s)
+    save = plan_.save
+    assert (save.weights_bytes, save.moments_bytes) == (-(-4 * adapters // 8), 8 * adapters // 8)
+    assert save.node_bytes == 12 * adapters // 8 + 8 * 65536 == 1_263_730_688
+    assert save.fits_grace and save.write_s == pytest.approx(0.632, abs=0.001)
+
+
 # NeMo-RL's recipe on one node of 8 H200s (141 GB) with the 32B: sequences of 1024 (its 512 prompt
 # tokens, 512 new), 32 prompts × 8 samples, the KL penalty on
 SEED_32B = [*SEED_OVERRIDES, "policy.model_name=Qwen/Qwen2.5-32B-Instruct", "cluster.num_nodes=1",
