@@ -54,6 +54,8 @@ class GenerationConfig(_Section):
         "engine", description="engine: rlscale's rollout engine (KV cache, CUDA graphs; Qwen2/Qwen3/Llama/"
         "Mistral, others fall back to hf); hf: transformers generate")
     cuda_graphs: bool = Field(True, description="engine on CUDA: replay decode steps as captured CUDA graphs")
+    share_prompts: bool = Field(True, description="engine: a group's prompt is prefilled once, its other samples "
+                                "holding its whole KV cache blocks too (fewer blocks, one prefill per group)")
     compile: bool = Field(True, description="engine on CUDA: fuse the decode step and its sampling with "
                           "torch.compile before capturing it (compiles at the first generation of each "
                           "sampling mode)")

@@ -137,7 +137,8 @@ def bench_gen(
     model: list[str] = typer.Option(["qwen2-0.5b"], "--model", help="qwen2-0.5b, qwen2-1.5b, qwen2-7b, tiny (repeatable)"),
     variant: Optional[list[str]] = typer.Option(
         None, "--variant", help="hf_dynamic, hf_static, engine, engine_compiled, engine_sdpa, engine_matmul, "
-        "engine_autotune, engine_flex_defaults, engine_eager, engine_full_batch (repeatable); default: hf_dynamic, "
+        "engine_autotune, engine_flex_defaults, engine_eager, engine_full_batch, engine_unshared (repeatable); "
+        "default: hf_dynamic, "
         "hf_static, engine_compiled (the engine as `rlscale train` runs it: compiled, CUDA graphs)"),
     batch: int = typer.Option(256, "--batch", min=1, help="sequences per generate call"),
     prompt_tokens: int = typer.Option(64, "--prompt-tokens", min=1),
@@ -155,6 +156,9 @@ def bench_gen(
     gpu_memory_utilization: Optional[float] = typer.Option(
         None, "--gpu-memory-utilization", help="CUDA: the engine's KV cache may fill this fraction of the GPU "
         "less what is allocated (a batch that does not fit is admitted in waves); ignored on CPU"),
+    group: int = typer.Option(
+        1, "--group", min=1, help="GRPO groups: --batch / G distinct prompts, each G times in a row (the engine "
+        "prefills a group's prompt once; engine_unshared prefills every copy)"),
 ) -> None:
     """Generation tokens/s: rlscale's rollout engine against Hugging Face generate."""
     from rlscale.bench.gen import DEFAULT_VARIANTS, VARIANTS, format_table, run_benchmark
@@ -166,9 +170,11 @@ def bench_gen(
             raise UserError(f"--variant {name!r}: choose one of {', '.join(VARIANTS)}")
     check_gen_lengths(lengths, mean_tokens, new_tokens)
     check_fraction("--gpu-memory-utilization", gpu_memory_utilization)
+    if batch % group:
+        raise UserError(f"--group {group} does not divide --batch {batch}")
     out = run_benchmark(model, variants, batch, prompt_tokens, new_tokens, reps, json_file, echo=typer.echo,
                         kernel_profile=kernel_profile, lengths=lengths, mean_tokens=mean_tokens,
-                        gpu_memory_utilization=gpu_memory_utilization)
+                        gpu_memory_utilization=gpu_memory_utilization, group=group)
     typer.echo(format_table(out))
 
 

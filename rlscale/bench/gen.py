@@ -62,6 +62,7 @@ ENGINE_VARIANTS = {
     "engine_flex_defaults": {"compiled": True, "flex_kernel_options": {}},
     "engine_eager": {"graphs": False},
     "engine_full_batch": {"compiled": True, "shrink_batch": False},
+    "engine_unshared": {"compiled": True, "share_prompts": False},  # every copy of a group's prompt prefilled
 }
 LENGTHS = ("fixed", "geometric", "lognormal")
 LOGNORMAL_SIGMA = 1.0
@@ -218,7 +219,7 @@ class EngineCall:
 
 def _engine_generate(model, prompts: torch.Tensor, new_tokens: int, graphs: bool = True, compiled: bool = False,
                      attention: str = "auto", compile_mode: str | None = None,
-                     flex_kernel_options: dict | None = None, shrink_batch: bool = True,
+                     flex_kernel_options: dict | None = None, shrink_batch: bool = True, share_prompts: bool = True,
                      lengths: list[int] | None = None, budget_fraction: float | None = None) -> EngineCall:
     """lengths: each row's response length (None: every row new_tokens). budget_fraction: on CUDA,
     the KV budget is that fraction of the device's memory less what is allocated once the engine is built."""
@@ -227,7 +228,8 @@ def _engine_generate(model, prompts: torch.Tensor, new_tokens: int, graphs: bool
     engine = RolloutEngine(model, prompts.device, model.dtype, max_length=prompts.shape[1] + new_tokens + 64,
                            use_cuda_graphs=graphs and prompts.device.type == "cuda", compile_decode=compiled,
                            decode_attention=attention, compile_mode=compile_mode,
-                           flex_kernel_options=flex_kernel_options, shrink_batch=shrink_batch)
+                           flex_kernel_options=flex_kernel_options, shrink_batch=shrink_batch,
+                           share_prompts=share_prompts)
     if budget_fraction is not None and prompts.device.type == "cuda":
         engine.kv_budget_bytes = kv_budget_bytes(budget_fraction, prompts.device)
     return EngineCall(engine, prompts, new_tokens, lengths)
@@ -305,17 +307,18 @@ def device_name() -> str:
 def run_benchmark(shapes: list[str], variants: list[str], batch: int, prompt_tokens: int, new_tokens: int,
                   reps: int, json_file: Path | None, echo=print, kernel_profile: Path | None = None,
                   lengths: str = "fixed", mean_tokens: float | None = None,
-                  gpu_memory_utilization: float | None = None) -> dict:
+                  gpu_memory_utilization: float | None = None, group: int = 1) -> dict:
     """kernel_profile: a text file for torch.profiler tables of one extra call per variant.
     lengths: fixed (every row decodes new_tokens, EOS ignored), geometric or lognormal (each row
     ends at a length drawn with mean mean_tokens, default new_tokens/4, capped at new_tokens).
-    gpu_memory_utilization: the engine variants' KV budget as a fraction of the device (CUDA only)."""
+    gpu_memory_utilization: the engine variants' KV budget as a fraction of the device (CUDA only).
+    group: batch / group distinct prompts, each `group` times in a row (a GRPO step's layout)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     name = device_name()
     bandwidth = next((bw for key, bw in MEMORY_BANDWIDTH.items() if key in name), None)
     out = {"date": time.strftime("%Y-%m-%d"), "device": name, "torch": torch.__version__,
-           "batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "reps": reps,
+           "batch": batch, "group": group, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "reps": reps,
            "memory_bandwidth_Bps": bandwidth, "models": {}}
     drawn = None  # fixed mode: every row new_tokens, EOS ignored
     if lengths != "fixed":
@@ -332,7 +335,8 @@ def run_benchmark(shapes: list[str], variants: list[str], batch: int, prompt_tok
     for shape in shapes:
         model = build_model(shape, device, dtype)
         generator = torch.Generator().manual_seed(1)
-        prompts = torch.randint(2, model.config.vocab_size, (batch, prompt_tokens), generator=generator).to(device)
+        distinct = torch.randint(2, model.config.vocab_size, (batch // group, prompt_tokens), generator=generator)
+        prompts = distinct.repeat_interleave(group, dim=0).to(device)
         entry = out["models"][shape] = {"params": sum(p.numel() for p in model.parameters()), "results": {}}
         if bandwidth:
             entry["bound_tokens_per_s"] = bandwidth_bound_tokens_per_s(model, batch, prompt_tokens, new_tokens,
@@ -367,6 +371,8 @@ def run_benchmark(shapes: list[str], variants: list[str], batch: int, prompt_tok
         engines = [v for k, v in speeds.items() if k.startswith("engine")]
         if hf and engines:
             entry["best_engine_vs_best_hf"] = max(engines) / max(hf)
+        if "engine_compiled" in speeds and "engine_unshared" in speeds:
+            entry["shared_over_unshared"] = speeds["engine_compiled"] / speeds["engine_unshared"]
         if drawn is not None and "engine_compiled" in speeds and "engine_full_batch" in speeds:
             entry["engine_over_full_batch"] = speeds["engine_compiled"] / speeds["engine_full_batch"]
         del model

@@ -7,6 +7,10 @@ k·block_size .. (k+1)·block_size - 1) lives in physical block `table[slot][k]`
 `scratch` (one past the pool) is where every position no sequence owns points: a finished or
 padding slot's decode step writes there, never into a block that another sequence now holds.
 
+A block may be shared: the samples of a GRPO group have one prompt, and its whole blocks (never
+written again after the prefill: decoding writes past the prompt) can serve every sequence of the
+group (`share`). A block goes back to the pool when the last sequence holding it lets it go.
+
 Pure Python: the engine mirrors the table onto the device (`RolloutEngine._push_blocks`).
 """
 
@@ -23,6 +27,7 @@ class BlockPool:
         self.scratch = num_blocks
         self.free: deque[int] = deque(range(num_blocks))
         self.table: list[list[int]] = [[] for _ in range(slots)]
+        self.holders = [0] * num_blocks  # sequences holding each block (shared prompt blocks: several)
         self.peak_used = 0  # the most blocks held at once since the pool was made
 
     @property
@@ -42,13 +47,28 @@ class BlockPool:
         if need - have > len(self.free):
             return None
         new = [(k, self.free.popleft()) for k in range(have, need)]
+        for _, block in new:
+            self.holders[block] = 1
         self.table[slot].extend(block for _, block in new)
         self.peak_used = max(self.peak_used, self.used)
         return new
 
+    def share(self, slot: int, blocks: list[int]) -> list[tuple[int, int]]:
+        """The (empty) slot's first logical blocks are `blocks`, held by another sequence too (a
+        shared prompt's whole blocks); returns their (logical index, physical block) pairs."""
+        assert not self.table[slot], "a shared prompt's blocks start a sequence"
+        for block in blocks:
+            self.holders[block] += 1
+        self.table[slot] = list(blocks)
+        return list(enumerate(blocks))
+
     def release(self, slot: int) -> None:
-        """The slot's sequence ended (or was preempted): its blocks go back to the pool."""
-        self.free.extend(self.table[slot])
+        """The slot's sequence ended (or was preempted): the blocks no other sequence holds go
+        back to the pool."""
+        for block in self.table[slot]:
+            self.holders[block] -= 1
+            if not self.holders[block]:
+                self.free.append(block)
         self.table[slot] = []
 
     def move(self, dst: int, src: int) -> None:

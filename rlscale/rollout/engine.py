@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections import deque
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -75,6 +75,7 @@ class Generation:
     # blocks held at once
     preemptions: int = 0
     peak_blocks: int = 0
+    shared_prefills: int = 0  # samples admitted on another sample's prefill of their prompt (no prefill of their own)
 
 
 def batch_bucket(size: int) -> int:
@@ -154,6 +155,12 @@ class _Run:
         self.admitted_at: dict[int, int] = {}  # slot -> decode steps run before its sample's prefill
         self.steps, self.waves, self.prefill_s, self.preemptions = 0, 0, 0.0, 0
         self.decode_batches: list[int] = []
+        # prompt sharing: each sample's prompt key, how many samples of each prompt still wait, and
+        # the logits at a prompt's last token while some do (its sharers sample their first token there)
+        self.keys = [tuple(p) for p in prompts]
+        self.pending = Counter(self.keys)
+        self.first_logits: dict[tuple, torch.Tensor] = {}
+        self.shared_prefills = 0
 
     def next_deadline(self, slot_sample: list[int | None]) -> int:
         """The step count at which the first live sequence runs into max_new_tokens (a check then
@@ -167,7 +174,8 @@ class RolloutEngine:
                  use_cuda_graphs: bool | None = None, check_every: int = 16, prefill_tokens: int = 16384,
                  compile_decode: bool = False, decode_attention: str = "auto", compile_mode: str | None = None,
                  flex_kernel_options: dict | None = None, tp: TensorParallel | None = None, sync: bool = True,
-                 kv_budget_bytes: int | None = None, shrink_batch: bool = True, block_size: int = FLEX_KV_BLOCK):
+                 kv_budget_bytes: int | None = None, shrink_batch: bool = True, block_size: int = FLEX_KV_BLOCK,
+                 share_prompts: bool = True):
         """tp: this rank's place in a tensor-parallel group (None, or size 1: one device holds the
         whole model). sync=False: the weights are left unfilled, for a streamed first sync through
         `weights.copy_named` before the first generation. kv_budget_bytes: the most bytes the KV
@@ -175,7 +183,10 @@ class RolloutEngine:
         `slot_capacity` admits them as others finish (None: one slot per prompt, all at once).
         block_size: cache positions per block of the paged cache (flex attention's block size).
         shrink_batch=False: every decode step runs over the whole cache until the last sequence
-        ends (no compaction; the engine before the shrinking batch, kept as a benchmark baseline)."""
+        ends (no compaction; the engine before the shrinking batch, kept as a benchmark baseline).
+        share_prompts: samples with one prompt (a GRPO group) prefill it once; the others hold its
+        whole cache blocks too, copy its last partial block and sample their first token from its
+        logits (with their own draws)."""
         reason = unsupported_reason(source_model.config, max_length)
         if reason:
             raise ValueError(f"rollout engine does not support {reason}")
@@ -210,6 +221,7 @@ class RolloutEngine:
         self.kv_budget_bytes = kv_budget_bytes
         self.slot_sample: list[int | None] = []  # the sample each cache slot holds (None: free)
         self.shrink_batch = shrink_batch
+        self.share_prompts = share_prompts
         self.block_size = block_size
         self.pool: BlockPool | None = None
         self.block_logical: torch.Tensor | None = None  # [pool blocks + 1]: each block's index in its table
@@ -437,6 +449,7 @@ class RolloutEngine:
                    "decode_s": elapsed - run.prefill_s - (self.capture_s - capture_start)}
         out = self._collect(run, eos_ids, ignore_eos, timings)
         out.waves, out.decode_batches, out.preemptions = run.waves, run.decode_batches, run.preemptions
+        out.shared_prefills = run.shared_prefills
         out.peak_blocks = self.pool.peak_used
         return out
 
@@ -534,6 +547,7 @@ class RolloutEngine:
     def _preempt(self, run: _Run, slot: int) -> None:
         sample = self.slot_sample[slot]
         run.waiting.appendleft(sample)
+        run.pending[run.keys[sample]] += 1
         run.stopped_at.pop(sample, None)
         run.settled.discard(sample)
         run.admitted_at.pop(slot)
@@ -543,49 +557,120 @@ class RolloutEngine:
     def _admit(self, run: _Run, targets: list[int], mode: SamplingMode, keyed: bool) -> bool:
         """Prefill the next waiting prompts into slots `targets` while the pool has blocks for
         them (in row chunks, so activations stay bounded for long prompts) and sample each one's
-        first token (response position 0). False: the pool had no blocks for the first of them."""
-        st, start = self.state, time.perf_counter()
-        taken = []
+        first token (response position 0). A prompt that a live sequence already holds (a GRPO
+        group's, `share_prompts`) is not prefilled again: the slot shares its whole blocks, copies
+        its partial last block and samples from its logits. False: the pool had no blocks for the
+        first of them."""
+        start = time.perf_counter()
+        holders = self._prompt_holders(run)
+        taken, sharers = [], {}  # sharers: slot -> the slot holding its prompt's blocks
         for s in targets:  # blocks in queue order: the first that does not fit waits, and those after it
             sample = run.waiting[len(taken)]
-            new = self.pool.grow(s, self._lookahead(run, sample, len(run.prompts[sample])))
+            key = run.keys[sample]
+            holder = holders.get(key)
+            shared = [] if holder is None else self.pool.table[holder][:len(key) // self.block_size]
+            if holder is not None:
+                self._take_blocks(s, self.pool.share(s, shared))
+            new = self.pool.grow(s, self._lookahead(run, sample, len(key)))
             if new is None:
+                self.pool.release(s)
+                self._taken = [t for t in self._taken if t[0] != s]
                 break
             self._take_blocks(s, new)
             taken.append(s)
+            if holder is not None:
+                sharers[s] = holder
+            elif self.share_prompts and run.pending[key] > 1:
+                holders[key] = s  # the prompt's first sample in this round: the others share its prefill
+            run.pending[key] -= 1
         if not taken:
             return False
         self._push_blocks()
-        for first in range(0, len(taken), run.prefill_rows):
-            chunk_slots = taken[first:first + run.prefill_rows]
-            samples = [run.waiting.popleft() for _ in chunk_slots]
-            chunk = [run.prompts[i] for i in samples]
-            width = max(len(p) for p in chunk)
-            ids = torch.full((len(chunk), width), st.pad_id, dtype=torch.long)
-            for i, p in enumerate(chunk):
-                ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-            lengths = torch.tensor([len(p) for p in chunk], device=self.device)
-            at = torch.tensor(chunk_slots, device=self.device)
-            st.out_tokens[at] = st.pad_id
-            st.positions[at] = lengths
-            st.step[at] = 0
-            caps = torch.tensor([run.caps[i] for i in samples], device=self.device)
-            st.limit[at] = caps
-            st.sample_ids[at] = torch.tensor([run.sample_ids[i] for i in samples], device=self.device)
-            logits = self.forward.prefill(ids.to(self.device), lengths, self.cache, st.block_table[at])
-            tokens, logprobs = sample_tokens(logits, mode, st.draws(at, mode, keyed))
-            st.out_tokens[at, 0] = tokens
-            st.out_logprobs[at, 0] = logprobs
-            st.tokens[at] = tokens
-            st.step[at] = 1
-            st.done[at] = is_stop(st.stop_table, tokens) | (caps <= 1)
-            for s, i in zip(chunk_slots, samples):
-                self.slot_sample[s] = i
-                run.admitted_at[s] = run.steps
+        samples = {s: run.waiting.popleft() for s in taken}
+        leaders = [s for s in taken if s not in sharers]
+        for first in range(0, len(leaders), run.prefill_rows):
+            chunk = leaders[first:first + run.prefill_rows]
+            logits = self._prefill(run, chunk, [samples[s] for s in chunk])
+            for row, s in enumerate(chunk):
+                if run.pending[run.keys[samples[s]]] > 0 or any(h == s for h in sharers.values()):
+                    run.first_logits[run.keys[samples[s]]] = logits[row].clone()  # not a view of the chunk's
+            self._start(run, chunk, [samples[s] for s in chunk], logits, mode, keyed)
+        if sharers:
+            self._copy_partial_blocks(run, sharers, samples)
+            slots = list(sharers)
+            for first in range(0, len(slots), run.prefill_rows):
+                chunk = slots[first:first + run.prefill_rows]
+                chunk_samples = [samples[s] for s in chunk]
+                logits = torch.stack([run.first_logits[run.keys[i]] for i in chunk_samples])
+                self._start(run, chunk, chunk_samples, logits, mode, keyed)
+            run.shared_prefills += len(sharers)
+        for key in [k for k in run.first_logits if run.pending[k] == 0]:  # no sample of it waits
+            del run.first_logits[key]
         run.waves += 1
         self._sync()
         run.prefill_s += time.perf_counter() - start
         return True
+
+    def _prompt_holders(self, run: _Run) -> dict[tuple, int]:
+        """For each prompt some waiting sample still needs: a live slot holding its prefilled
+        blocks, whose logits at its last token are kept (`run.first_logits`)."""
+        if not self.share_prompts:
+            return {}
+        holders = {}
+        for slot, sample in enumerate(self.slot_sample):
+            if sample is not None and run.pending[run.keys[sample]] > 0 and run.keys[sample] in run.first_logits:
+                holders.setdefault(run.keys[sample], slot)
+        return holders
+
+    def _prefill(self, run: _Run, slots: list[int], samples: list[int]) -> torch.Tensor:
+        """The prompts of `samples` into the blocks of `slots`; returns the logits at each last token."""
+        chunk = [run.prompts[i] for i in samples]
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), self.state.pad_id, dtype=torch.long)
+        for i, p in enumerate(chunk):
+            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        lengths = torch.tensor([len(p) for p in chunk], device=self.device)
+        at = torch.tensor(slots, device=self.device)
+        return self.forward.prefill(ids.to(self.device), lengths, self.cache, self.state.block_table[at])
+
+    def _start(self, run: _Run, slots: list[int], samples: list[int], logits: torch.Tensor, mode: SamplingMode,
+               keyed: bool) -> None:
+        """Slots `slots` begin their samples' responses: the first token sampled from `logits` (the
+        prompts' last positions), their state set for decoding."""
+        st = self.state
+        at = torch.tensor(slots, device=self.device)
+        st.out_tokens[at] = st.pad_id
+        st.positions[at] = torch.tensor([len(run.prompts[i]) for i in samples], device=self.device)
+        st.step[at] = 0
+        caps = torch.tensor([run.caps[i] for i in samples], device=self.device)
+        st.limit[at] = caps
+        st.sample_ids[at] = torch.tensor([run.sample_ids[i] for i in samples], device=self.device)
+        tokens, logprobs = sample_tokens(logits, mode, st.draws(at, mode, keyed))
+        st.out_tokens[at, 0] = tokens
+        st.out_logprobs[at, 0] = logprobs
+        st.tokens[at] = tokens
+        st.step[at] = 1
+        st.done[at] = is_stop(st.stop_table, tokens) | (caps <= 1)
+        for s, i in zip(slots, samples):
+            self.slot_sample[s] = i
+            run.admitted_at[s] = run.steps
+
+    def _copy_partial_blocks(self, run: _Run, sharers: dict[int, int], samples: dict[int, int]) -> None:
+        """Each sharer's own copy of its prompt's last, partial block (the positions past the whole
+        blocks it shares): decoding writes there, so it cannot be shared."""
+        size = self.block_size
+        src, dst = [], []
+        for slot, holder in sharers.items():
+            length = len(run.prompts[samples[slot]])
+            whole, rest = divmod(length, size)
+            if rest:
+                src += range(self.pool.table[holder][whole] * size, self.pool.table[holder][whole] * size + rest)
+                dst += range(self.pool.table[slot][whole] * size, self.pool.table[slot][whole] * size + rest)
+        if src:
+            src_at, dst_at = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+            for keys, values in zip(self.cache.keys, self.cache.values):
+                keys[:, dst_at] = keys[:, src_at]
+                values[:, dst_at] = values[:, src_at]
 
     def _compact(self, run: _Run) -> None:
         """Move the live slots above the first `live` into the free ones below (state rows and

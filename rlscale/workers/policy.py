@@ -251,7 +251,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
             self._rollout = RolloutEngine(source, self.device, self.dtype, max_length,
                                          use_cuda_graphs=gen.cuda_graphs and self.device.type == "cuda",
                                          compile_decode=gen.compile and self.device.type == "cuda",
-                                         tp=self.tp, sync=False)
+                                         tp=self.tp, sync=False, share_prompts=gen.share_prompts)
             if gen.gpu_memory_utilization is not None and self.device.type == "cuda":
                 self._rollout.kv_budget_bytes = self._kv_budget(gen.gpu_memory_utilization)
         return self._rollout

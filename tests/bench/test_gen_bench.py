@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from rlscale.bench.gen import bandwidth_bound_tokens_per_s, build_model
 from rlscale.cli import app
+from rlscale.errors import UserError
 
 
 def bench_gen_tiny(variants: list[str], tokens: int, *options: str) -> None:
@@ -142,3 +143,15 @@ def test_bench_gen_long_tailed_reports_useful_tokens_and_the_full_batch_ratio(tm
     assert entry["engine_over_full_batch"] == (entry["results"]["engine_compiled"]["useful_tokens_per_s"]
                                                / entry["results"]["engine_full_batch"]["useful_tokens_per_s"])
     assert "useful tok/s" in gen.format_table(data) and "engine_compiled / engine_full_batch" in gen.format_table(data)
+
+
+def test_bench_gen_groups_repeat_each_prompt_and_compare_the_shared_prefill(tmp_path):
+    out = tmp_path / "gen.json"
+    bench_gen_tiny(["engine_compiled", "engine_unshared"], 8, "--batch", "8", "--group", "4", "--json", str(out))
+    written = json.loads(out.read_text())
+    entry = written["models"]["tiny"]
+    assert written["group"] == 4 and set(entry["results"]) == {"engine_compiled", "engine_unshared"}
+    assert entry["shared_over_unshared"] == (entry["results"]["engine_compiled"]["tokens_per_s"]
+                                             / entry["results"]["engine_unshared"]["tokens_per_s"])
+    refused = CliRunner().invoke(app, ["bench", "gen", "--model", "tiny", "--batch", "6", "--group", "4"])
+    assert isinstance(refused.exception, UserError) and str(refused.exception) == "--group 4 does not divide --batch 6"
