@@ -73,3 +73,32 @@ def test_a_shared_block_returns_to_the_pool_with_its_last_holder():
     assert pool.used == 3 and sorted(pool.free) == [2, 4, 5]  # the shared blocks stay with slot 1
     pool.release(1)
     assert pool.used == 0 and not any(pool.holders)
+
+
+def tp_rank_main(rank: int, size: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from rlscale.rollout import RolloutEngine, TensorParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    try:
+        tp = TensorParallel(rank, size, dist.new_group(list(range(size))))
+        e = RolloutEngine(make_model(), torch.device("cpu"), torch.float32, max_length=128, tp=tp, check_every=4,
+                          block_size=BLOCK)
+        e.kv_budget_bytes = budget(e, 3, grouped_prompts(), NEW_TOKENS)
+        out = e.generate(grouped_prompts(), NEW_TOKENS, MODES["t1"], [1], 0, ignore_eos=True, seed=SEED)
+        torch.save(out, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_ranks_share_alike_and_sample_the_single_devices_tokens(model, tmp_path):
+    """Each rank shares its own kv heads' blocks; both ranks admit alike (their collectives pair)."""
+    import torch.multiprocessing as mp
+
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(tp_rank_main, (2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method=method)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert ranks[0].tokens == ranks[1].tokens and ranks[0].shared_prefills > 0 and ranks[0].waves > 1
+    assert_same_samples(model, grouped_prompts(), generate(model, False, MODES["t1"]), ranks[0], MODES["t1"], SEED)
