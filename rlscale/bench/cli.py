@@ -180,7 +180,8 @@ def bench_gen(
 
 @bench_app.command("step")
 def bench_step(
-    model: str = typer.Option("qwen2-0.5b", "--model", help="qwen2-0.5b, qwen2-1.5b, qwen2-7b (random weights), tiny"),
+    model: str = typer.Option("qwen2-0.5b", "--model",
+                              help="qwen2-0.5b, qwen2-1.5b, qwen2-7b, qwen2.5-14b (random weights), tiny"),
     steps: int = typer.Option(4, "--steps", min=2, help="GRPO steps per half; the first is not timed"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results here (after each half)"),
     only: Optional[str] = typer.Option(None, "--only", help="rlscale or trl: run one half"),

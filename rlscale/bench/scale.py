@@ -29,6 +29,9 @@ QWEN2_SHAPES = {
                        num_key_value_heads=2, vocab_size=151936),
     "qwen2-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                      num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    # LoRA's one-GPU target (issue 27: the 14B step on one H200); 29.5 GB of bf16 weights on disk
+    "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
 }
 
 
