@@ -775,9 +775,9 @@ def _picks(cfg, shape, world, gpu, budget, options, chosen: Settings):
         if key == "shard_reference" and (cfg.loss.reference_policy_kl_penalty == 0 or world == 1
                                          or cfg.policy.lora.enabled):  # LoRA: the reference is the base
             continue
-        if key == "keep_gathered" and world == 1 and (
-                chosen.master_weights == "bf16" or _compute_bytes(cfg, gpu, chosen.master_weights) == 4):
-            continue  # no FSDP2 at one worker there: nothing to gather
+        if key == "keep_gathered" and world == 1 and (cfg.policy.lora.enabled or chosen.master_weights == "bf16"
+                                                      or _compute_bytes(cfg, gpu, chosen.master_weights) == 4):
+            continue  # no FSDP2 at one worker there (LoRA, plain bf16, fp32 compute): nothing to gather
         if len(tried) == 1:
             why = "its weights exceed 10% of the GPU's memory (the default rule)"
         elif value == tried[0]:
