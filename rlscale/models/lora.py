@@ -48,15 +48,12 @@ def add_adapters(model, lora: LoraConfig) -> None:
             param.requires_grad_(True)
 
 
-@torch.no_grad()
-def init_adapters(model, seed: int) -> None:
-    """PEFT's default initialisation drawn anew, the same at every worker count: each A
-    kaiming-uniform as nn.Linear's (bound 1 / sqrt(fan_in)), drawn whole from one generator keyed
-    by `seed` in the model's order, each B zeros; an FSDP2-sharded adapter keeps its rows. Called
-    once the model is sharded and materialised: a meta-device load (rlscale.models.sharded_load)
-    leaves the adapters unset, and PEFT's own draws depend on each rank's RNG."""
-    from rlscale.ckpt.sharded import assign
-
+def initial_adapters(model, seed: int) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(adapter parameter, its whole initial value): PEFT's default initialisation drawn anew, the
+    same at every worker count. Each A is kaiming-uniform as nn.Linear's (bound 1 / sqrt(fan_in)),
+    drawn whole from one generator keyed by `seed` in the model's order; each B is zeros. The
+    caller copies them in (an FSDP2-sharded parameter its rows): a meta-device load leaves the
+    adapters unset, and PEFT's own draws depend on each rank's RNG."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         if not is_adapter(name):
@@ -65,7 +62,7 @@ def init_adapters(model, seed: int) -> None:
         if ".lora_A." in name:
             bound = 1.0 / math.sqrt(param.shape[1])
             full.uniform_(-bound, bound, generator=generator)
-        assign(param, full.to(param.dtype))
+        yield param, full.to(param.dtype)
 
 
 def is_adapter(name: str) -> bool:

@@ -21,19 +21,21 @@ def free_port() -> int:
 
 def init_process_group(rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:
     """Join the group at MASTER_ADDR:MASTER_PORT (set by the worker group): NCCL on GPU, gloo on CPU.
-    A group of one (FSDP2 at one worker, see rlscale.workers.precision) needs no address: it takes
-    a free port on this machine."""
+    A group of one (FSDP2 at one worker, see rlscale.workers.precision) needs no address: its
+    store is in-process."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
     if world_size == 1 and "MASTER_PORT" not in os.environ:
-        address = f"tcp://127.0.0.1:{free_port()}"
-    else:
-        address = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+        # an in-process store: no port to take (a port picked free and released can be taken by
+        # another process before the group binds it)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    address = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def shard_model(model, layers_per_unit: int = 1, mp_policy=None) -> None:

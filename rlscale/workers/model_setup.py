@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from rlscale.ckpt.sharded import assign
 from rlscale.config import PolicyConfig
 from rlscale.models import load_model
 from rlscale.models.loading import local_weights_dir
-from rlscale.models.lora import add_adapters, init_adapters
+from rlscale.models.lora import add_adapters, initial_adapters
 from rlscale.models.packed_attention import use_packed_attention
 from rlscale.models.sharded_load import load_sharded
 from rlscale.workers import distributed
@@ -42,7 +43,9 @@ def build_policy(policy: PolicyConfig, precision: Precision, device: torch.devic
         model = load_model(policy.model_name, precision.weights, device, policy.trust_remote_code)
         prepare(model)
     if policy.lora.enabled:
-        init_adapters(model, seed)
+        with torch.no_grad():
+            for param, value in initial_adapters(model, seed):
+                assign(param, value)  # this rank's rows when sharded
     return model
 
 

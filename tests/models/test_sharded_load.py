@@ -223,7 +223,7 @@ def test_one_process_without_sharding_and_with_a_group_of_one(models):
     """World size 1: `shard` a no-op (plain tensors, whole), and FSDP2 over a gloo group of one."""
     from transformers import AutoModelForCausalLM
 
-    from rlscale.workers.distributed import free_port, shard_model
+    from rlscale.workers.distributed import init_process_group, shard_model
 
     _, tied = models
     whole = AutoModelForCausalLM.from_pretrained(str(tied), dtype=torch.float32)
@@ -238,7 +238,7 @@ def test_one_process_without_sharding_and_with_a_group_of_one(models):
 
     joined = not dist.is_initialized()  # another test of this process may have made a group of one
     if joined:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        init_process_group(0, 1, torch.device("cpu"), timeout_s=60)
     assert dist.get_world_size() == 1
     try:
         sharded = load_sharded(str(tied), torch.float32, torch.device("cpu"), shard_model)
