@@ -222,8 +222,9 @@ class PolicyConfig(_Section):
         "null = the memory plan decides (off when the update fits without it)")
     compile: bool | None = Field(
         None, description="torch.compile each decoder layer (fuses norms, rotary, activations; the first "
-        "steps pay the compile time); null = on CUDA, except with fp32 master weights or stochastic rounding "
-        "(FSDP2's casts), where compiled layers were measured slower")
+        "steps pay the compile time); null = on CUDA, except under FSDP2's casts (fp32 master weights or stochastic "
+        "rounding over several workers, or fp32 master weights gathered one unit at a time), where compiling "
+        "was measured to take minutes")
     shard_reference: bool | None = Field(
         None, description="FSDP2-shard the frozen reference model over the workers (each logprob pass "
         "all-gathers it); false keeps a whole copy per worker; null = shard only when its weights exceed "

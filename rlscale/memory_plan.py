@@ -1,8 +1,10 @@
 """The memory plan: per-GPU bytes of each phase of a GRPO step, from the model's config.json alone.
 
 Made before any weight loads. It counts what the code allocates, per worker (one per GPU, W of them):
-- FSDP2 (W > 1, and W = 1 for fp32 master or stochastic rounding under 16-bit compute, see
-  rlscale.workers.precision) shards the optimizer's weights, gradients and AdamW moments over W;
+- FSDP2 (W > 1, and W = 1 for fp32 master weights under 16-bit compute gathered one unit at a
+  time, see rlscale.workers.precision) shards the optimizer's weights, gradients and AdamW moments
+  over W; one worker with fp32 master weights kept gathered holds them beside a whole bf16 copy
+  (rlscale.workers.compute_copy) and accumulates fp32 gradients;
 - with policy.keep_gathered the policy is gathered whole in the compute dtype for the generation's
   weight sync and stays gathered until the update's last backward, and gradients are reduced once
   per optimizer step; with keep_gathered=false every pass gathers one FSDP2 unit at a time: the
@@ -355,6 +357,12 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool, 
     c = _compute_bytes(cfg, gpu, s.master_weights)
     master = s.master_weights if c == 2 else "fp32"  # fp32 compute trains fp32 weights
     casts = c == 2 and master in ("fp32", "bf16_stochastic")  # FSDP2 MixedPrecisionPolicy, fp32 reduction
+    # one worker (rlscale.workers.precision.Precision.one_worker_layout): fp32 master weights kept
+    # gathered are a whole bf16 compute copy beside them, and gathered one unit at a time an FSDP2
+    # group of one; stochastic rounding is a plain bf16 model
+    copy = world == 1 and casts and master == "fp32" and s.keep_gathered
+    if world == 1:
+        casts = casts and master == "fp32" and not s.keep_gathered
     sharded = world > 1 or casts
     share = world if sharded else 1
     w = 4 if master == "fp32" else 2
@@ -365,7 +373,7 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool, 
     adapters = shape.lora_parameters(p.lora.rank, p.lora.target_modules or LORA_LINEAR_MODULES) \
         if p.lora.enabled else 0
     if adapters:
-        casts, sharded = False, world > 1
+        casts, copy, sharded = False, False, world > 1
         share, w, moments = world if sharded else 1, c, 0
     unit = max(min(p.fsdp_layers_per_unit, layers) * shape.layer_parameters(), shape.outside_parameters())
     compiled = p.compile if p.compile is not None else gpu and not casts  # workers.model_setup.auto_compile
@@ -394,6 +402,8 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool, 
             "rollout-engine weights": local.parameter_count() * c if engine else 0,
             "KV cache": slots * length * kv_token if engine else 0,
             "decode buffers": slots * (vocab * DECODE_LOGITS_BYTES + p.generation.max_new_tokens * 12) if engine else 0}
+    if copy:  # the fp32 master weights, and their bf16 copy as the training weights
+        base.update({"training weights": params * c, "master weights": params * 4})
     whole = params * c if sharded else 0  # the gathered policy: at the weight sync, and kept through the update
     gathered = whole if s.keep_gathered else 0
     gather = unit * c * (1 + 1 / world)  # one unit's all-gather output beside its parameters, and its input
@@ -775,9 +785,10 @@ def _picks(cfg, shape, world, gpu, budget, options, chosen: Settings):
         if key == "shard_reference" and (cfg.loss.reference_policy_kl_penalty == 0 or world == 1
                                          or cfg.policy.lora.enabled):  # LoRA: the reference is the base
             continue
-        if key == "keep_gathered" and world == 1 and (cfg.policy.lora.enabled or chosen.master_weights == "bf16"
+        if key == "keep_gathered" and world == 1 and (cfg.policy.lora.enabled
+                                                      or chosen.master_weights in ("bf16", "bf16_stochastic")
                                                       or _compute_bytes(cfg, gpu, chosen.master_weights) == 4):
-            continue  # no FSDP2 at one worker there (LoRA, plain bf16, fp32 compute): nothing to gather
+            continue  # a plain model at one worker there (LoRA, bf16 weights, fp32 compute): nothing to gather
         if len(tried) == 1:
             why = "its weights exceed 10% of the GPU's memory (the default rule)"
         elif value == tried[0]:

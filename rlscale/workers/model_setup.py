@@ -73,13 +73,14 @@ def enable_activation_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def auto_compile(device: torch.device, precision: Precision) -> bool:
+def auto_compile(device: torch.device, precision: Precision, sharded: bool) -> bool:
     """policy.compile=null: compile the layers on CUDA, except under FSDP2's MixedPrecisionPolicy
-    (fp32 master weights, stochastic rounding). There, on an H200 (2026-12-03), 3 steps of a
-    Qwen2-0.5B shape did not finish in 130 s where plain bf16 with compiled layers took 55 s, and on
-    CPU the compiled layers recompiled step after step (the FSDP-wrapped and plain variants, with
-    and without grad, each packed length): off until compiling there is measured to pay."""
-    return device.type == "cuda" and not precision.needs_fsdp
+    (fp32 master weights or stochastic rounding, sharded). There, on an H200 (2026-12-03), 3 steps
+    of a Qwen2-0.5B shape did not finish in 130 s where plain bf16 with compiled layers took 55 s;
+    on an H100 (2026-12-05) the first step took 256 s, 231 s of it compiling the update; on CPU the
+    compiled layers recompiled step after step. One worker's bf16 compute copy (fp32 master
+    weights kept gathered) has no FSDP2 hooks: its layers compile as plain bf16's do."""
+    return device.type == "cuda" and not (sharded and precision.mixed)
 
 
 def compile_layers(model) -> None:

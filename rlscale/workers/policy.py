@@ -30,6 +30,7 @@ from rlscale.rollout import (RolloutEngine, SamplingParams, StopStrings, TensorP
                              unsupported_reason)
 from rlscale.telemetry.memory import PhasePeaks
 from rlscale.telemetry.torch_profile import CallProfiler
+from rlscale.workers.compute_copy import ComputeCopy
 from rlscale.workers.hf_generate import hf_generate
 from rlscale.workers.model_setup import auto_compile, build_policy, build_reference
 from rlscale.workers.packing import PackedMicroBatch, filler_pack, pack_batch, to_device
@@ -82,8 +83,12 @@ class PolicyWorker(state_io.CheckpointableWorker):
             # OpenMP threads spin-wait: with every core taken, one busy core (the reward pool, a
             # second worker) makes each small matmul wait for a descheduled thread.
             torch.set_num_threads(policy.cpu_threads or max(1, (os.cpu_count() or 2) // 2))
-        # FSDP2 over the workers, and at one worker too where the precision needs its casts
-        self.sharded = (world_size > 1 or self.precision.needs_fsdp) if distributed_group is None else distributed_group
+        # null (no memory plan was made): keep the policy gathered, the fastest way when it fits
+        self.keep_gathered = policy.keep_gathered is not False
+        # FSDP2 over the workers; at one worker, fp32 master weights gathered one unit at a time
+        # are an FSDP2 group of one, and kept gathered a bf16 compute copy (precision.one_worker_layout)
+        layout = self.precision.one_worker_layout(self.keep_gathered)
+        self.sharded = (world_size > 1 or layout == "fsdp") if distributed_group is None else distributed_group
         if self.sharded:
             if self.device.type == "cuda":
                 torch.cuda.set_device(distributed.local_gpu_index())
@@ -98,9 +103,12 @@ class PolicyWorker(state_io.CheckpointableWorker):
         self.renderer = PromptRenderer(
             self.tokenizer, policy.prompt_format,
             max_prompt_tokens=policy.max_total_sequence_length - policy.generation.max_new_tokens)
-        self.compiled = policy.compile if policy.compile is not None else auto_compile(self.device, self.precision)
+        self.compiled = policy.compile if policy.compile is not None else \
+            auto_compile(self.device, self.precision, self.sharded)
         self.model = build_policy(policy, self.precision, self.device, self.sharded, world_size, self.compiled,
                                   seed=cfg.grpo.seed)
+        self.compute_copy = ComputeCopy(self.model, self.dtype) \
+            if not self.sharded and layout == "compute_copy" else None
         self._rollout: RolloutEngine | None = None
         self._rollout_unsupported = False
         self.last_generation_timings: dict[str, float] = {}
@@ -112,8 +120,6 @@ class PolicyWorker(state_io.CheckpointableWorker):
         elif cfg.loss.reference_policy_kl_penalty > 0:
             self.reference, self.reference_sharded = build_reference(policy, self.dtype, self.device, world_size,
                                                                      self.compiled)
-        # null (no memory plan was made): keep the policy gathered, the fastest way when it fits
-        self.keep_gathered = policy.keep_gathered is not False
         self.memory = PhasePeaks(self.device)  # measured per phase, reported with each update
         trained = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters alone
         self.optimizer = precision.make_optimizer(trained, policy.optimizer, self.precision,
@@ -158,7 +164,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         over the workers or tensor-parallel groups (rlscale.controller.generate_rollouts)."""
         if sample_ids is not None and len(sample_ids) != len(texts):
             raise ValueError(f"generate: {len(sample_ids)} sample ids for {len(texts)} texts")
-        with self.profiler.around("generate"), torch.no_grad():
+        with self.profiler.around("generate"), torch.no_grad(), self.computing():
             rollouts = self._generate(texts, params, update_follows, sample_ids)
         self.memory.end("generation")
         return rollouts
@@ -372,6 +378,11 @@ class PolicyWorker(state_io.CheckpointableWorker):
             sums.index_add_(0, mb.rows, kl.double().cpu())
         return sums.tolist()
 
+    def computing(self):
+        """The policy's forwards and backwards: under fp32 master weights at one worker on its bf16
+        compute copy (rlscale.workers.compute_copy); otherwise as it is."""
+        return self.compute_copy.computing() if self.compute_copy else contextlib.nullcontext()
+
     def _as_reference(self, active: bool = True):
         """The reference's passes: under LoRA the policy itself with its adapters off (the base)."""
         return adapters_disabled(self.model) if active and self.lora else contextlib.nullcontext()
@@ -384,7 +395,8 @@ class PolicyWorker(state_io.CheckpointableWorker):
         (policy.keep_gathered=false, the memory plan's figure for a model too large to gather);
         every worker must then run as many packs (`_micro_batches` pads them)."""
         model.eval()
-        with distributed.gathered(model, sharded and whole, keep=keep_gathered):
+        computing = self.computing() if model is self.model else contextlib.nullcontext()
+        with computing, distributed.gathered(model, sharded and whole, keep=keep_gathered):
             return [self._logprobs(model, mb.to(self.device))[0] for mb in packs]
 
     def _micro_batches(self, batch: TrainBatch, budget: int) -> list[PackedMicroBatch]:
@@ -417,7 +429,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         seq_norm = global_samples / self.world_size
         response_lengths = batch.response_mask.sum(1).clamp_min(1)
         deferred = self.sharded and self.keep_gathered  # gradients reduced once, at the last micro-batch
-        with distributed.accumulating(self.model, deferred):
+        with self.computing(), distributed.accumulating(self.model, deferred):
             for i, mb in enumerate(micro_batches):
                 distributed.last_micro_batch(self.model, i == len(micro_batches) - 1, deferred)
                 self._accumulate(mb, batch, None if old is None else old[i], None if ref is None else ref[i],

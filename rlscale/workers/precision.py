@@ -4,13 +4,16 @@ AdamW on bf16 weights rounds away every update smaller than half a bf16 step of 
 |w| / 512): with weights ~N(0, 0.02) most updates vanish at learning rates below ~1e-5, the range
 real RL post-training runs in. So a 16-bit compute dtype gets, by default, fp32 master weights:
 
-- fp32: fp32 parameters and AdamW moments; FSDP2's MixedPrecisionPolicy casts each unit to the
-  compute dtype when it is gathered, reduces gradients in fp32 and accumulates them across
-  micro-batches in fp32. Used at every worker count (one worker is an FSDP2 group of one), so one
-  worker and N workers compute the same way.
+- fp32: fp32 parameters and AdamW moments; the forward and backward run on a bf16 cast of the
+  weights, gradients are cast to fp32 and accumulated across micro-batches in fp32. Over several
+  workers FSDP2's MixedPrecisionPolicy does it per unit as it gathers and reduce-scatters; at one
+  worker a bf16 copy of the whole model does it once per pass (rlscale.workers.compute_copy: the
+  same arithmetic, with compiled layers), or, when the policy is gathered one unit at a time
+  (policy.keep_gathered=false), an FSDP2 group of one.
 - bf16_stochastic: bf16 parameters, fp32 moments, and updates rounded to bf16 stochastically
   (rlscale.workers.stochastic_adamw), so a small update is kept on average; gradients reduced and
-  accumulated in fp32 over several workers (at one worker the reduction is a copy: bf16).
+  accumulated in fp32 over several workers (at one worker they are accumulated in bf16: a plain
+  bf16 model).
 - bf16: bf16 parameters and moments (torch's AdamW), only when asked for.
 The frozen reference model and the rollout engine's copy are in the compute dtype.
 """
@@ -32,17 +35,25 @@ class Precision:
     master: str  # fp32 | bf16_stochastic | bf16 | lora (frozen base, fp32 adapters)
 
     @property
-    def needs_fsdp(self) -> bool:
-        """fp32 master weights and stochastic rounding go through FSDP2 at any worker count: its
-        MixedPrecisionPolicy casts parameters and reduces and accumulates gradients in fp32."""
+    def mixed(self) -> bool:
+        """A 16-bit compute dtype over fp32 master weights or stochastic rounding: over several
+        workers FSDP2's MixedPrecisionPolicy casts the parameters and reduces gradients in fp32."""
         return self.compute != torch.float32 and self.master in ("fp32", "bf16_stochastic")
+
+    def one_worker_layout(self, keep_gathered: bool) -> str:
+        """How one worker holds its policy: "compute_copy" (fp32 master weights with a bf16 copy of
+        the whole model, rlscale.workers.compute_copy), "fsdp" (fp32 master weights gathered one
+        FSDP2 unit at a time, a group of one) or "plain" (the weights are what computes)."""
+        if self.compute == torch.float32 or self.master != "fp32":
+            return "plain"
+        return "compute_copy" if keep_gathered else "fsdp"
 
     def fsdp_policy(self, world_size: int):
         """FSDP2's MixedPrecisionPolicy for this precision (None: FSDP2's default, all in the weights'
         dtype). Gradients are reduced and accumulated in fp32 for fp32 master weights, and for bf16
         weights over several workers (a sum over ranks); at one worker a bf16 weight's gradient is
         reduced by a copy, which fp32 buffers would only make larger (7B: 11 GB a unit of 6 layers)."""
-        if not self.needs_fsdp:  # fp32 compute, or plain bf16 (FSDP2's defaults over several workers)
+        if not self.mixed:  # fp32 compute, or plain bf16 (FSDP2's defaults over several workers)
             return None
         from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -3,6 +3,7 @@
 RLSCALE_TEST_DEVICE=cuda runs them on a GPU (pinned staging, device copies, chunked reads).
 """
 
+import contextlib
 import os
 
 import pytest
@@ -65,7 +66,9 @@ def train_steps(worker, steps=2, seed=0):
     for _ in range(steps):
         ids = torch.randint(3, 50, (2, 12), generator=gen).to(worker.device)
         worker.optimizer.zero_grad()
-        worker.model(input_ids=ids).logits.float().pow(2).mean().backward()
+        computing = getattr(worker, "computing", contextlib.nullcontext)
+        with computing():  # fp32 master weights at one worker: on the bf16 compute copy
+            worker.model(input_ids=ids).logits.float().pow(2).mean().backward()
         worker.optimizer.step()
         worker.scheduler.step()
     torch.rand(3)  # move the global RNG too

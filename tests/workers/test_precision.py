@@ -1,6 +1,7 @@
 """policy.master_weights: small updates survive with fp32 master weights and with stochastic rounding,
-and vanish with plain bf16; the worker trains fp32 master weights under bf16 compute (FSDP2's casts,
-also at one worker) and resumes bit for bit."""
+and vanish with plain bf16; the worker trains fp32 master weights under bf16 compute (at one worker
+on a bf16 compute copy, or as an FSDP2 group of one when gathered one unit at a time) and resumes
+bit for bit."""
 
 import json
 
@@ -80,7 +81,7 @@ def test_precision_resolves_from_dtype_and_master_weights():
 
     def resolved(*overrides):
         p = resolve_precision(load_config(None, list(overrides)).policy, cpu)
-        return p.compute, p.weights, p.master, p.needs_fsdp
+        return p.compute, p.weights, p.master, p.mixed
 
     assert resolved() == (torch.float32, torch.float32, "fp32", False)  # the CPU default: all fp32
     assert resolved("policy.precision=bfloat16") == (torch.bfloat16, torch.float32, "fp32", True)
@@ -107,17 +108,21 @@ def group_of_one():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("master", ["fp32", "bf16_stochastic"])
-def test_master_weights_train_save_and_resume_bit_exact(bf16_cfg, master, group_of_one):
-    """One worker, bf16 compute: fp32 master weights are FSDP2 parameters (a group of one) whose
-    forward runs in bf16; moments are fp32 either way; a checkpoint holds what trains, and a worker
-    restored from it takes the next steps bit for bit as the original does."""
+@pytest.mark.parametrize("master, keep_gathered, layout", [("fp32", "true", "compute_copy"),
+                                                           ("fp32", "false", "fsdp"),
+                                                           ("bf16_stochastic", "true", "plain")])
+def test_master_weights_train_save_and_resume_bit_exact(bf16_cfg, master, keep_gathered, layout, group_of_one):
+    """One worker, bf16 compute: fp32 master weights beside a bf16 compute copy, or FSDP2
+    parameters (a group of one) gathered one unit at a time, whose forward runs in bf16; stochastic
+    rounding a plain bf16 model; moments are fp32 either way; a checkpoint holds what trains, and a
+    worker restored from it takes the next steps bit for bit as the original does."""
     from rlscale.workers.policy import PolicyWorker
 
-    cfg = bf16_cfg(master)
+    cfg = bf16_cfg(master, f"policy.keep_gathered={keep_gathered}")
     worker = PolicyWorker(cfg)
     weights_dtype = torch.float32 if master == "fp32" else torch.bfloat16
-    assert worker.sharded and all(p.dtype == weights_dtype for p in worker.model.parameters())
+    assert worker.sharded == (layout == "fsdp") and (worker.compute_copy is not None) == (layout == "compute_copy")
+    assert all(p.dtype == weights_dtype for p in worker.model.parameters())
     seen = []
     hook = worker.model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
     train_steps(worker, steps=3)
@@ -148,7 +153,7 @@ def test_master_weights_train_save_and_resume_bit_exact(bf16_cfg, master, group_
     with safe_open(str(next((cfg.checkpoint_dir.parent / "export").glob("*.safetensors"))), "pt") as handle:
         assert handle.get_tensor(next(iter(handle.keys()))).dtype == torch.bfloat16
     master = dict(worker.model.named_parameters())["model.norm.weight"]
-    assert torch.equal(dict(exported.named_parameters())["model.norm.weight"], master.to_local().bfloat16())
+    assert torch.equal(dict(exported.named_parameters())["model.norm.weight"], getattr(master, "to_local", master.detach)().bfloat16())
 
     restored = PolicyWorker(cfg)
     ckpt.load(ckpt.latest(), LocalWorkerGroup(lambda rank, size: restored))
