@@ -82,6 +82,7 @@ def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling):
     return out.unsqueeze(0)
 
 
+@torch.compiler.disable  # data-dependent splits: compiled, it would recompile per document count
 def _sdpa_per_document(query, key, value, cu_seqlens, scaling):
     # split, not one slice per document: a slice's backward writes its gradient into a zeroed
     # tensor of the whole row (documents × row length), a split's backward concatenates once
@@ -130,11 +131,14 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, _packed_mask)
 
 
-def use_packed_attention(model, backend: str = "auto") -> str:
-    """Switch `model` (a transformers PreTrainedModel, on its device) to packed-capable
-    attention; returns the backend chosen for packed rows."""
+def use_packed_attention(model, backend: str = "auto", device: torch.device | None = None,
+                         dtype: torch.dtype | None = None) -> str:
+    """Switch `model` (a transformers PreTrainedModel) to packed-capable attention; returns the
+    backend chosen for packed rows. `device` and `dtype` are where and in what the forward will
+    compute, by default those of the model's first parameter: pass them where the parameters are
+    not (fp32 master weights computing in bf16, a model still on the meta device)."""
     weight = next(model.parameters())
-    backend = resolve_backend(backend, weight.device, weight.dtype)
+    backend = resolve_backend(backend, device or weight.device, dtype or weight.dtype)
     if backend == "varlen":
         _varlen_options()
     register()

@@ -28,7 +28,9 @@ def build_policy(policy: PolicyConfig, precision: Precision, device: torch.devic
         model.config.use_cache = False
         if policy.lora.enabled:  # frozen base, fp32 adapters (before checkpointing and compile wrap the layers)
             add_adapters(model, policy.lora)
-        use_packed_attention(model, policy.attention_backend)
+        # by the compute dtype and device: fp32 master weights, or a model still on the meta
+        # device, would otherwise take the per-document SDPA loop instead of varlen
+        use_packed_attention(model, policy.attention_backend, device, precision.compute)
         if policy.activation_checkpointing:
             enable_activation_checkpointing(model)
         if compiled:
@@ -55,7 +57,7 @@ def build_reference(policy: PolicyConfig, dtype: torch.dtype, device: torch.devi
     (policy.shard_reference; never at one worker)."""
     reference = load_model(policy.model_name, dtype, device, policy.trust_remote_code)
     reference.eval().requires_grad_(False)
-    use_packed_attention(reference, policy.attention_backend)
+    use_packed_attention(reference, policy.attention_backend, device, dtype)
     if compiled:
         compile_layers(reference)
     sharded = world_size > 1 and distributed.shard_reference(policy.shard_reference, reference, device)

@@ -151,3 +151,20 @@ def test_one_token_samples_pack_with_no_targets():
     (mb,) = pack_batch(batch, 100)
     assert mb.input_ids.tolist() == [[5, 6]] and mb.cu_seqlens.tolist() == [0, 1, 2]
     assert mb.targets.numel() == 0 and mb.logit_index.numel() == 0
+
+
+def test_the_packed_backend_follows_where_and_in_what_the_model_computes():
+    # fp32 master weights compute in bf16, and a sharded policy is switched while still on the
+    # meta device: judged by its parameters, either would take the per-document SDPA loop
+    # (a graph break and a host sync per layer) where the GPU has varlen FlashAttention
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=97, max_position_embeddings=128)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**shape))  # fp32 parameters on the meta device
+    assert use_packed_attention(model, "auto") == "sdpa"
+    assert use_packed_attention(model, "auto", torch.device("cuda"), torch.bfloat16) == "varlen"
+    attention = model.model.layers[1].self_attn
+    assert attention._rlscale_attention_backend == "varlen"
+    assert use_packed_attention(model, "auto", torch.device("cuda"), torch.float32) == "sdpa"
+    with pytest.raises(ValueError, match="varlen"):
+        use_packed_attention(model, "varlen", torch.device("cpu"), torch.bfloat16)
