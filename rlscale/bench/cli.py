@@ -143,7 +143,9 @@ def bench_gen(
     batch: int = typer.Option(256, "--batch", min=1, help="sequences per generate call"),
     prompt_tokens: int = typer.Option(64, "--prompt-tokens", min=1),
     new_tokens: int = typer.Option(256, "--new-tokens", min=2, help="response length (the cap with --lengths)"),
-    reps: int = typer.Option(3, "--reps", min=1, help="timed repetitions after the warm-up"),
+    reps: int = typer.Option(3, "--reps", min=0,
+                            help="timed repetitions after the warm-up; 0 times the warm-up call itself "
+                                 "(compile and capture included: for runs too long to repeat)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results here as JSON"),
     kernel_profile: Optional[Path] = typer.Option(
         None, "--kernel-profile", help="append torch.profiler tables (device kernels by time) of one extra "

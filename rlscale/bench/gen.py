@@ -271,9 +271,9 @@ def run_variant(name: str, model, prompts: torch.Tensor, new_tokens: int, reps: 
                               budget_fraction=budget_fraction)
     # compiles / captures; the timed calls' lengths (full-length in fixed mode) so every shape is seen
     warmup_s = _timed(fn, device)
-    times = [_timed(fn, device) for _ in range(reps)]
+    times = [_timed(fn, device) for _ in range(reps)] or [warmup_s]  # reps 0: the warm-up is the figure
     median = statistics.median(times)
-    result = {"warmup_s": warmup_s, "times_s": times, "median_s": median}
+    result = {"warmup_s": warmup_s, "times_s": times, "median_s": median, "timed_includes_warmup": reps == 0}
     if lengths is None:
         result["tokens_per_s"] = prompts.shape[0] * new_tokens / median
     else:
