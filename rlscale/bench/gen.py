@@ -281,6 +281,7 @@ def run_variant(name: str, model, prompts: torch.Tensor, new_tokens: int, reps: 
     if isinstance(fn, EngineCall):  # the last timed call's admission rounds and widest decode step
         result["waves"] = fn.last.waves
         result["max_decode_batch"] = max(fn.last.decode_batches, default=0)
+        result["host_checks"] = fn.last.host_checks
         if fn.engine.kv_budget_bytes is not None:
             result["kv_budget_bytes"] = fn.engine.kv_budget_bytes
     if kernel_tables is not None:

@@ -8,8 +8,9 @@ A compiled decode step on CUDA attends through flex attention with a block mask 
 sequence's own cache blocks, built on the device every step, so one graph serves every length.
 On CUDA each (batch bucket, sampling mode) gets one captured graph: the whole batch's before the
 prefill of the first generation that needs it, a smaller bucket's at its first use; the host loop
-replays them and, every `check_every` steps (and when a sequence runs into its length cap), reads
-back which sequences have stopped. With `compile_decode` the step (forward and sampling) is
+replays them and, every `check_every` steps (and when sequences running into their length caps
+free a slot a waiting prompt can take or let the rest fit a smaller batch), reads back which
+sequences have stopped. With `compile_decode` the step (forward and sampling) is
 compiled whole before capture. On CPU the same step runs eagerly (the path the tests exercise).
 
 Paged cache, admission, preemption, a shrinking batch: the KV cache is a pool of blocks of
@@ -76,6 +77,7 @@ class Generation:
     preemptions: int = 0
     peak_blocks: int = 0
     shared_prefills: int = 0  # samples admitted on another sample's prefill of their prompt (no prefill of their own)
+    host_checks: int = 0  # decode-loop host checks (each one a device sync)
 
 
 def batch_bucket(size: int) -> int:
@@ -153,7 +155,7 @@ class _Run:
         self.stopped_at: dict[int, int] = {}  # sample -> response length its stop string ends it at
         self.settled: set[int] = set()  # samples ended by eos whose text the stop strings have seen
         self.admitted_at: dict[int, int] = {}  # slot -> decode steps run before its sample's prefill
-        self.steps, self.waves, self.prefill_s, self.preemptions = 0, 0, 0.0, 0
+        self.steps, self.waves, self.prefill_s, self.preemptions, self.checks = 0, 0, 0.0, 0, 0
         self.decode_batches: list[int] = []
         # prompt sharing: each sample's prompt key, how many samples of each prompt still wait, and
         # the logits at a prompt's last token while some do (its sharers sample their first token there)
@@ -162,11 +164,22 @@ class _Run:
         self.first_logits: dict[tuple, torch.Tensor] = {}
         self.shared_prefills = 0
 
-    def next_deadline(self, slot_sample: list[int | None]) -> int:
-        """The step count at which the first live sequence runs into max_new_tokens (a check then
-        frees its slot without waiting for the next `check_every`)."""
-        return min((self.admitted_at[s] + self.caps[i] - 1 for s, i in enumerate(slot_sample)
-                    if i is not None), default=0)
+    def next_deadline(self, slot_sample: list[int | None], rows_shrink: bool, bucketed: bool) -> int:
+        """The step count at which a check before the next `check_every` pays: the first live
+        sequence to run into its length cap frees a slot a waiting prompt can take; with none
+        waiting, the end that lets the live ones fit a smaller captured batch (rows_shrink: the
+        live ones are compacted; bucketed: batches run in batch_bucket sizes, else every end
+        shrinks it) or, without shrinking, the last end. Each check syncs the device
+        and idles it while the host works, so one per ended sequence would cost a long tail more
+        than the smaller batch saves (0 when none is live)."""
+        ends = sorted(self.admitted_at[s] + self.caps[i] - 1 for s, i in enumerate(slot_sample) if i is not None)
+        if not ends or self.waiting or (rows_shrink and not bucketed):
+            return ends[0] if ends else 0
+        if not rows_shrink:
+            return ends[-1]
+        live, bucket = len(ends), batch_bucket(len(ends))
+        smaller = bucket // 2 if bucket > 8 else 0  # batch_bucket's next size down (none below 8)
+        return ends[live - smaller - 1]  # once that many have ended, the rest fit `smaller`
 
 
 class RolloutEngine:
@@ -435,21 +448,26 @@ class RolloutEngine:
         run = _Run(prompts, list(sample_ids) if sample_ids is not None else list(range(count)), max_new_tokens,
                    max(1, self.prefill_tokens // max(longest, 1)), caps)
         start, capture_start = time.perf_counter(), self.capture_s
+        # a shrinking batch compacts only keyed or greedy runs (torch.rand draws belong to slots)
+        rows_shrink, bucketed = self.shrink_batch and (keyed or mode.greedy), self.use_graphs or self.compiled
         self._refresh(run, mode, keyed, stop_check)
+        deadline = run.next_deadline(self.slot_sample, rows_shrink, bucketed)
         while any(i is not None for i in self.slot_sample):
             rows = self._decode_rows()
             run_step(rows)
             run.steps += 1
             run.decode_batches.append(rows or slots)
-            if run.steps % self.check_every == 0 or run.steps >= run.next_deadline(self.slot_sample):
+            if run.steps % self.check_every == 0 or run.steps >= deadline:
                 self._refresh(run, mode, keyed, stop_check)
+                run.checks += 1
+                deadline = run.next_deadline(self.slot_sample, rows_shrink, bucketed)
         self._sync()
         elapsed = time.perf_counter() - start
         timings = {"prefill_s": run.prefill_s, "capture_s": self.capture_s - capture_before,
                    "decode_s": elapsed - run.prefill_s - (self.capture_s - capture_start)}
         out = self._collect(run, eos_ids, ignore_eos, timings)
         out.waves, out.decode_batches, out.preemptions = run.waves, run.decode_batches, run.preemptions
-        out.shared_prefills = run.shared_prefills
+        out.shared_prefills, out.host_checks = run.shared_prefills, run.checks
         out.peak_blocks = self.pool.peak_used
         return out
 
