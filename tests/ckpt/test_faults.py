@@ -81,9 +81,9 @@ def _train_and_save(cfg, log: Path, fault: str | None, saves: int = SAVES, fsize
                 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, resource.RLIM_INFINITY))
             train_steps(group.workers[0], steps=1, seed=step)
             _record(log, saved=step, weights=weights_digest(group.workers[0]))
-            ckpt.save(step, group, {"step": step}, {})
-            for report in ckpt.poll():
-                _record(log, committed=report.step)
+            report = ckpt.save(step, group, {"step": step}, {})  # committed already when not async
+            for done in ([report] if report.committed else []) + ckpt.poll():
+                _record(log, committed=done.step)
         for report in ckpt.wait():
             _record(log, committed=report.step)
     except UserError as exc:

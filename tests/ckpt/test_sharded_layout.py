@@ -7,11 +7,22 @@ One module fixture runs the scenario, each test asserts one promise of it:
   4 ranks, already trained elsewhere, load step_2 (2 -> 4, checksums verified, in place)
   one plain worker loads step_1 (4 -> 1) and saves step_3 in today's layout (a HF dir)
 Ranks report what they saw (bytes read, gathers called, mismatches) as JSON under out/.
+
+Below it, test_faults.py's kill -9 suite on this layout: two forked FSDP2 ranks save steps 1..4
+(keep_top_k=2, async or not) and one of them is SIGKILLed at a seeded passage of each fault point
+(RLSCALE_FAULT_SEED, as there); two fresh ranks then load the newest intact step and save the next.
 """
 
+import faulthandler
+import hashlib
 import json
+import multiprocessing
 import os
 import random
+import signal
+import threading
+import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -21,13 +32,16 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from rlscale.ckpt import Checkpointer, layout, ranges
+from rlscale.ckpt import faults as fault_points
 from rlscale.ckpt.checkpointer import wait_for_writers
+from rlscale.ckpt.faults import ENV
 from rlscale.ckpt.tools import export_policy, loadable_policy_dir
 from rlscale.config import CheckpointingConfig
 from rlscale.errors import UserError
 from rlscale.workers.group import LocalWorkerGroup
-from rlscale.workers.state_io import CheckpointableWorker, optimizer_flat
+from rlscale.workers.state_io import CheckpointableWorker, model_tensors, optimizer_flat
 from tests.ckpt.conftest import DEVICE, train_steps
+from tests.ckpt.test_faults import PHASES, SAVES, SEED, _record, read_log
 from tests.ckpt.test_fsdp import DistGroup, whole_state
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the sharded ranks run on CPU with gloo")
@@ -168,17 +182,6 @@ def _ranks(rank: int, world: int, rdzv: str, phase: str, model_dir: str, root: s
             with GatherWatch() as watch:
                 _save(Checkpointer(Path(root), VERIFY, "{}\n", "test"), DistGroup(worker), root, 2)
             _report(out, "save2", {"gathers": watch.calls})
-        elif phase.startswith("kill:"):  # step_1 commits, then rank 0 is SIGKILLed in step_2's save
-            worker = Worker(model_dir, rank, world, VERIFY, shard=True)
-            ckpt, group = Checkpointer(Path(root), VERIFY, "{}\n", "test"), DistGroup(worker)
-            for step in (1, 2):
-                train_steps(worker, steps=1, seed=step)
-                state = whole_state(worker)
-                if rank == 0:
-                    save_file(state, f"{out}/state_{step}.safetensors")
-                    if step == 2:
-                        os.environ["RLSCALE_FAULT"] = phase[len("kill:"):]
-                _save(ckpt, group, root, step)
         elif phase == "load2to4":
             worker = Worker(model_dir, rank, world, VERIFY, shard=True)
             train_steps(worker, steps=1, seed=99)  # the optimizer has state: the load reads into it
@@ -320,26 +323,6 @@ def test_export_of_a_sharded_step_equals_the_export_of_the_same_state_saved_unsh
     assert all(torch.equal(state[n], t) for n, t in scenario["saved"].items())
 
 
-@pytest.mark.parametrize("point", ["persist.after_file:2", "commit.before_manifest:1", "commit.after_rename:1"])
-def test_a_kill_during_a_sharded_save_keeps_the_newest_intact_step_loadable(tiny_model_dir, tmp_path, point):
-    root, out = tmp_path / "ckpt", tmp_path / "out"
-    root.mkdir(), out.mkdir()
-    with pytest.raises(mp.ProcessExitedException):  # rank 0 killed; spawn ends the other rank too
-        _spawn(f"kill:{point}", 2, tiny_model_dir, root, out)
-    ckpt = Checkpointer(root, VERIFY, "{}\n", "test")
-    ckpt.prepare()  # removes what the kill left half-written
-    latest = ckpt.latest()
-    assert latest is not None and not layout.stale_tmp_dirs(root)
-    assert latest.name == ("step_2" if point.startswith("commit.after_rename") else "step_1")
-    assert layout.verify_step_dir(latest, checksums=True).ok
-    group = _plain_group(tiny_model_dir, VERIFY)
-    ckpt.load(latest, group)
-    ckpt.release()
-    expected = load_file(out / f"state_{latest.name.split('_')[1]}.safetensors")
-    state = whole_state(group.workers[0])
-    assert state.keys() == expected.keys() and all(torch.equal(state[n], t) for n, t in expected.items())
-
-
 def _hf_weights(directory: Path) -> dict[str, torch.Tensor]:
     out = {}
     for path in sorted(directory.glob("*.safetensors")):
@@ -364,3 +347,289 @@ def test_a_damaged_range_is_caught_by_the_rank_that_reads_it(scenario, tmp_path)
         ckpt.load(step, _plain_group(scenario["model_dir"], VERIFY))
     with pytest.raises(UserError, match="damaged"):
         export_policy(step, tmp_path / "export")
+
+
+# ------------------------------------------------ the kill -9 suite (test_faults.py) on the sharded layout
+#
+# Each case forks two FSDP2 ranks that train and save steps 1..SAVES (keep_top_k=2, async or not):
+# rank 0 is the controller as well (snapshot, the commit thread, retention), rank 1 mirrors its
+# calls. RLSCALE_FAULT, set in one rank alone, SIGKILLs it at a seeded passage of a fault point:
+# the controller's points kill rank 0; persist.after_file either rank, whose writer threads persist
+# its own rows. Each rank logs (fsynced) the state it saves at each step, rank 0 the commits it
+# saw and the whole state (gathered) to safetensors. Then: every step_N left verifies, the newest
+# intact one is the newest step whose commit began its rename before the kill (so at least every
+# commit seen), prepare() leaves no debris, two fresh sharded ranks load it bit for bit (weights,
+# moments, optimizer meta, each rank's RNG) and the run goes on: the next save commits.
+
+SHARDED_FILES_PER_SAVE = (11, 6)  # the files each rank's writers write in one save (tiny model, two
+# ranks, writers_per_rank=2): rank 0 its 2 weight and 2 moment shards, optim/meta.json, policy/'s
+# config.json, generation_config.json, tokenizer.json, tokenizer_config.json and its 2 rng/ files;
+# rank 1 its 4 shards and 2 rng/ files (counted against a real run below)
+SHARDED_PASSES = {  # fault point -> its passages on (rank 0, rank 1) in a run of SAVES saves
+    **{point: (passes, 0) for point, passes in PHASES.items()},  # the controller runs on rank 0
+    "persist.after_file": tuple(SAVES * files for files in SHARDED_FILES_PER_SAVE),
+}
+KILL_WORLD = len(SHARDED_FILES_PER_SAVE)
+NEVER = 10**9  # an nth passage no run reaches: RLSCALE_FAULT then only counts
+
+
+def sharded_kill_cases(seed: int) -> list[tuple[str, int, int, bool]]:
+    """(point, rank killed, nth passage in that rank, async_save): every point once, at a seeded
+    random passage of the rank that passes it (persist.after_file: a seeded rank)."""
+    rng = random.Random(seed)
+    cases = []
+    for point, passes in SHARDED_PASSES.items():
+        rank = rng.randrange(KILL_WORLD) if point == "persist.after_file" else 0
+        cases.append((point, rank, rng.randint(1, passes[rank]), rng.random() < 0.75))
+    return cases
+
+
+def _newest_after_kill(point: str, rank: int, nth: int) -> int | None:
+    """The newest step that must be committed after the kill, async or not: a save waits for the
+    previous commit before its snapshot, and a step is committed once its rename is done."""
+    if point == "persist.after_file":
+        done = (nth - 1) // SHARDED_FILES_PER_SAVE[rank]  # the nth passage is in save done + 1
+    elif point in ("commit.after_rename", "commit.after_fsync"):
+        done = nth
+    elif point == "retention.renamed_aside":  # step nth is dropped as step nth + 2 commits
+        done = nth + 2
+    else:  # snapshot.*, commit.before_manifest, commit.after_manifest: save nth is not committed
+        done = nth - 1
+    return done or None
+
+
+def _kill_settings(async_save: bool) -> CheckpointingConfig:
+    return CheckpointingConfig(writers_per_rank=2, keep_top_k=2, verify_checksums=True, async_save=async_save)
+
+
+class ControlGroup(DistGroup):
+    """DistGroup over a process group of its own: the controller's calls (rank 0's commit thread
+    polling every rank's writers) run beside the FSDP collectives of the next step, as an async
+    save's persist overlaps the training loop."""
+
+    def __init__(self, worker, process_group):
+        super().__init__(worker)
+        self.process_group = process_group
+
+    def run_all(self, method, per_worker_args=None):
+        dist.barrier(group=self.process_group)
+        args = (per_worker_args or [()] * self.world_size)[dist.get_rank()]
+        results = [None] * self.world_size
+        dist.all_gather_object(results, getattr(self.worker, method)(*args), group=self.process_group)
+        return results
+
+
+def _rank_state(worker) -> dict:
+    """What this rank saves, as comparable values: its rows of every weight and moment (a digest),
+    its RNG states (digests) and the optimizer's param groups and scheduler."""
+    moments, meta = optimizer_flat(worker.model, worker.optimizer, worker.scheduler)
+    rows = hashlib.sha256()
+    for name, tensor in [*sorted(model_tensors(worker.model).items()), *sorted(moments.items())]:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        rows.update(name.encode() + local.detach().contiguous().numpy().tobytes())
+    return {"rows": rows.hexdigest(), "rng": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
+            "py_rng": hashlib.sha256(repr(random.getstate()).encode()).hexdigest(), "meta": meta}
+
+
+def _saving_rank(rank: int, rdzv: str, fault: str | None, model_dir: str, root: str, out: str,
+                 async_save: bool) -> None:
+    """One rank of a run that trains and saves steps 1..SAVES; SIGKILLed by `fault` (or not)."""
+    log, code = Path(out, f"rank{rank}.jsonl"), 1
+    try:
+        faulthandler.enable(open(Path(out, f"rank{rank}.crash"), "w"), all_threads=True)  # a crash's stacks
+        torch.set_num_threads(1)
+        if fault:
+            os.environ[ENV] = fault
+        dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=KILL_WORLD,
+                                timeout=timedelta(seconds=60))
+        settings = _kill_settings(async_save)
+        worker = Worker(model_dir, rank, KILL_WORLD, settings, shard=True)
+        group = ControlGroup(worker, dist.new_group(backend="gloo"))
+        ckpt = Checkpointer(Path(root), settings, "{}\n", "test")
+        if rank == 0:
+            ckpt.prepare()  # as the controller does: claimed, debris removed
+        mirror = None  # rank 1: polls the writers as rank 0's commit thread does, poll for poll
+        for step in range(1, SAVES + 1):
+            train_steps(worker, steps=1, seed=step)
+            state = whole_state(worker)  # collective: gathered by every rank, kept by rank 0
+            if rank == 0:
+                save_file(state, f"{out}/state_{step}.safetensors")
+            _record(log, saved=step, **_rank_state(worker))
+            if rank == 0:
+                report = ckpt.save(step, group, {"step": step}, {})  # committed already when not async
+                for done in ([report] if report.committed else []) + ckpt.poll():
+                    _record(log, committed=done.step)
+            else:
+                if mirror is not None:
+                    mirror.join()
+                tmp = str(Path(root) / layout.tmp_dir_name(step))
+                group.run_all("checkpoint_snapshot", [(tmp,)] * KILL_WORLD)
+                mirror = threading.Thread(target=wait_for_writers, args=(group,))
+                mirror.start()
+                if not async_save:
+                    mirror.join()
+        if rank == 0:
+            for done in ckpt.close():
+                _record(log, committed=done.step)
+        elif mirror is not None:
+            mirror.join()
+        _record(log, passes=dict(fault_points._hits))  # what RLSCALE_FAULT counted (the counting test)
+        dist.barrier()
+        dist.destroy_process_group()
+        code = 0
+    except BaseException:  # a rank whose peer was killed: its collectives fail
+        _record(log, error=traceback.format_exc()[-2000:])
+    finally:
+        os._exit(code)
+
+
+def _resuming_rank(rank: int, rdzv: str, fault: str | None, model_dir: str, root: str, out: str,
+                   newest: int | None) -> None:
+    """One of two fresh sharded ranks: prepare (rank 0), load step `newest` (if any), train a step
+    and save the next one; reports what it loaded."""
+    code = 1
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=KILL_WORLD,
+                                timeout=timedelta(seconds=60))
+        settings = _kill_settings(async_save=False)
+        worker = Worker(model_dir, rank, KILL_WORLD, settings, shard=True)
+        group = DistGroup(worker)
+        ckpt = Checkpointer(Path(root), settings, "{}\n", "test")
+        if rank == 0:
+            ckpt.prepare()
+        dist.barrier()
+        loaded = {}
+        if newest is not None:
+            torch.manual_seed(1000 + rank), random.seed(1000 + rank)  # the load must restore them
+            trainer_state = ckpt.load(Path(root) / layout.step_dir_name(newest), group)
+            loaded = {"trainer_state": trainer_state, **_rank_state(worker),
+                      "mismatches": _mismatches(worker, load_file(f"{out}/state_{newest}.safetensors"))}
+        train_steps(worker, steps=1, seed=100)
+        _save(ckpt, group, root, (newest or 0) + 1)
+        if rank == 0:
+            ckpt.release()
+        _report(out, "resumed", loaded)
+        dist.barrier()
+        dist.destroy_process_group()
+        code = 0
+    except BaseException:
+        _record(Path(out, f"resumed-rank{rank}.jsonl"), error=traceback.format_exc()[-2000:])
+    finally:
+        os._exit(code)
+
+
+def _fork_ranks(target, model_dir, root: Path, out: Path, *args, faults: dict[int, str] | None = None,
+                victim: int | None = None, timeout_s: float = 120.0) -> list[int]:
+    """Fork KILL_WORLD processes running target(rank, rdzv, its fault, model_dir, root, out, *args)
+    and return their exit codes once all have ended. The victim (every rank, without one) gets up
+    to timeout_s; then its peers get 30 s to end by themselves (their collectives fail once it is
+    gone). A rank still running then is SIGKILLed and the call fails: nothing runs on in the
+    directory when this returns."""
+    context = multiprocessing.get_context("fork")  # no re-import of torch and transformers per rank
+    rdzv = str(Path(out) / f"rdzv-{target.__name__}")
+    ranks = [context.Process(target=target, args=(rank, rdzv, (faults or {}).get(rank), str(model_dir), str(root),
+                                                  str(out), *args)) for rank in range(KILL_WORLD)]
+    for process in ranks:
+        process.start()
+    order = ranks if victim is None else [ranks[victim], *(p for p in ranks if p is not ranks[victim])]
+    hung = []
+    for process in order:
+        process.join(timeout_s if victim is None or process is order[0] else 30.0)
+        if process.exitcode is None:
+            hung.append(ranks.index(process))
+            process.kill()
+            process.join()
+    assert not hung, f"ranks {hung} hung (SIGKILLed)"
+    return [process.exitcode for process in ranks]
+
+
+def _rank_logs(out: Path) -> list[list[dict]]:
+    return [read_log(out / f"rank{rank}.jsonl") for rank in range(KILL_WORLD)]
+
+
+SHARDED_CASES = sharded_kill_cases(SEED)
+
+
+@pytest.mark.parametrize("point,rank,nth,async_save", SHARDED_CASES,
+                         ids=[f"seed{SEED}-{i}-{p}-r{r}-{n}{'' if a else '-sync'}"
+                              for i, (p, r, n, a) in enumerate(SHARDED_CASES)])
+def test_a_kill_at_any_point_of_a_sharded_save_loses_no_committed_step(tiny_model_dir, tmp_path, point, rank, nth,
+                                                                       async_save):
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    root.mkdir(), out.mkdir()
+    codes = _fork_ranks(_saving_rank, tiny_model_dir, root, out, async_save,
+                        faults={rank: f"{point}:{nth}"}, victim=rank)
+    crashes = {p.name: p.read_text()[-3000:] for p in out.glob("rank*.crash") if p.stat().st_size}
+    assert codes[rank] == -signal.SIGKILL, (codes, crashes, _rank_logs(out))  # killed where the seed said
+    assert all(code != 0 for code in codes), codes  # no rank finished the run without its peer
+
+    logs = _rank_logs(out)
+    saved = [{e["saved"]: e for e in log if "saved" in e} for log in logs]
+    seen_committed = [e["committed"] for e in logs[0] if "committed" in e]
+    for _step, path in layout.committed_steps(root):  # a step_N is either whole or absent
+        assert layout.verify_step_dir(path, checksums=True).ok, path
+    newest = layout.latest_intact(root)
+    step = int(newest.name.split("_")[1]) if newest is not None else None
+    assert step == _newest_after_kill(point, rank, nth), (step, sorted(p.name for p in root.iterdir()))
+    if seen_committed:
+        assert step is not None and step >= max(seen_committed)
+    assert {s for s, _ in layout.committed_steps(root)} <= set(saved[0])  # no step that was not saved
+
+    ckpt = Checkpointer(root, _kill_settings(async_save), "{}\n", "test")
+    ckpt.prepare()  # removes what the kill left half-written
+    assert not layout.stale_tmp_dirs(root)
+    ckpt.release()
+
+    codes = _fork_ranks(_resuming_rank, tiny_model_dir, root, out, step)
+    assert codes == [0] * KILL_WORLD, (codes, [read_log(out / f"resumed-rank{r}.jsonl") for r in range(KILL_WORLD)])
+    if step is not None:  # two fresh sharded ranks hold what the two saved at that step, bit for bit
+        for r, report in enumerate(_reports(out, "resumed")):
+            assert report["mismatches"] == [], (r, report["mismatches"][:5])
+            assert report["trainer_state"] == {"step": step}
+            logged = saved[r][step]
+            assert {k: report[k] for k in ("rows", "rng", "py_rng", "meta")} == \
+                {k: logged[k] for k in ("rows", "rng", "py_rng", "meta")}, r
+    # and the run goes on: the next save commits
+    assert layout.latest_intact(root) == root / layout.step_dir_name((step or 0) + 1)
+    assert layout.verify_step_dir(root / layout.step_dir_name((step or 0) + 1), checksums=True).ok
+    assert not layout.stale_tmp_dirs(root)
+
+
+def test_the_sharded_cases_cover_every_fault_point_once_both_ranks_writers_and_reproduce():
+    assert set(SHARDED_PASSES) == set(PHASES)  # test_faults.py's points, no fewer
+    cases = sharded_kill_cases(SEED)
+    assert [point for point, *_ in cases] == list(SHARDED_PASSES)
+    for point, rank, nth, _async in cases:
+        assert 1 <= nth <= SHARDED_PASSES[point][rank], (point, rank, nth)
+        assert rank == 0 or point == "persist.after_file"
+    assert sharded_kill_cases(SEED) == cases  # the seed reproduces them
+    # over seeds, the writers of both ranks and both modes are drawn
+    drawn = [case for seed in range(20) for case in sharded_kill_cases(seed)]
+    assert {r for p, r, _, _ in drawn if p == "persist.after_file"} == set(range(KILL_WORLD))
+    assert {a for *_, a in drawn} == {True, False}
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["persist-async", "retention-sync"])
+def test_the_passages_the_cases_draw_from_are_those_of_a_real_sharded_run(tiny_model_dir, tmp_path, async_save):
+    """Two ranks save steps 1..SAVES unharmed, RLSCALE_FAULT counting persist.after_file (async) or
+    retention.renamed_aside (sync) in each: SHARDED_PASSES cannot drift from what a save does."""
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    root.mkdir(), out.mkdir()
+    point = "persist.after_file" if async_save else "retention.renamed_aside"
+    faults = {rank: f"{point}:{NEVER}" for rank in range(KILL_WORLD)}
+    codes = _fork_ranks(_saving_rank, tiny_model_dir, root, out, async_save, faults=faults)
+    logs = _rank_logs(out)
+    assert codes == [0] * KILL_WORLD, (codes, logs)
+    passes = [next(e["passes"] for e in log if "passes" in e).get(point, 0) for log in logs]
+    assert tuple(passes) == SHARDED_PASSES[point]
+    assert [e["committed"] for e in logs[0] if "committed" in e] == list(range(1, SAVES + 1))
+    assert [s for s, _ in layout.committed_steps(root)] == [SAVES - 1, SAVES]  # keep_top_k=2
+    last = root / layout.step_dir_name(SAVES)
+    assert layout.verify_step_dir(last, checksums=True).ok
+    # the manifest agrees: every rank's files and the controller's two (trainer state, config)
+    manifest = layout.read_manifest(last)
+    assert manifest["format"] == 3 and manifest["world_size"] == KILL_WORLD
+    assert len(manifest["files"]) == sum(SHARDED_FILES_PER_SAVE) + 2
+    assert sum(rel.startswith(("policy/shard-r001-", "optim/shard-r001-", "rng/rank1."))
+               for rel in manifest["files"]) == SHARDED_FILES_PER_SAVE[1]
