@@ -88,6 +88,12 @@ def batch_bucket(size: int) -> int:
     return bucket
 
 
+def bucket_below(size: int) -> int:
+    """The largest bucket smaller than batch_bucket(size) (0: none, it is the smallest)."""
+    bucket = batch_bucket(size)
+    return bucket // 2 if bucket > batch_bucket(1) else 0
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -164,22 +170,23 @@ class _Run:
         self.first_logits: dict[tuple, torch.Tensor] = {}
         self.shared_prefills = 0
 
-    def next_deadline(self, slot_sample: list[int | None], rows_shrink: bool, bucketed: bool) -> int:
-        """The step count at which a check before the next `check_every` pays: the first live
-        sequence to run into its length cap frees a slot a waiting prompt can take; with none
-        waiting, the end that lets the live ones fit a smaller captured batch (rows_shrink: the
-        live ones are compacted; bucketed: batches run in batch_bucket sizes, else every end
-        shrinks it) or, without shrinking, the last end. Each check syncs the device
-        and idles it while the host works, so one per ended sequence would cost a long tail more
-        than the smaller batch saves (0 when none is live)."""
+    def next_deadline(self, slot_sample: list[int | None], follows: str) -> int:
+        """The step count at which a check before the next `check_every` pays (0 when none is
+        live). Each check syncs the device and idles it while the host works, so one per ended
+        sequence would cost a long tail more than the smaller batch saves. With prompts waiting:
+        the first live sequence to run into its length cap (its slot takes one). Otherwise by
+        how the decode batch follows the live ones (`follows`): "each_end", it may shrink at any end
+        (eager, or slots not compacted): the first end; "buckets", compacted into batch_bucket
+        sizes: the end after which the rest fit the next size down; "whole", it never shrinks:
+        the last end."""
         ends = sorted(self.admitted_at[s] + self.caps[i] - 1 for s, i in enumerate(slot_sample) if i is not None)
-        if not ends or self.waiting or (rows_shrink and not bucketed):
-            return ends[0] if ends else 0
-        if not rows_shrink:
+        if not ends:
+            return 0
+        if self.waiting or follows == "each_end":
+            return ends[0]
+        if follows == "whole":
             return ends[-1]
-        live, bucket = len(ends), batch_bucket(len(ends))
-        smaller = bucket // 2 if bucket > 8 else 0  # batch_bucket's next size down (none below 8)
-        return ends[live - smaller - 1]  # once that many have ended, the rest fit `smaller`
+        return ends[len(ends) - bucket_below(len(ends)) - 1]  # once that many have ended
 
 
 class RolloutEngine:
@@ -448,10 +455,12 @@ class RolloutEngine:
         run = _Run(prompts, list(sample_ids) if sample_ids is not None else list(range(count)), max_new_tokens,
                    max(1, self.prefill_tokens // max(longest, 1)), caps)
         start, capture_start = time.perf_counter(), self.capture_s
-        # a shrinking batch compacts only keyed or greedy runs (torch.rand draws belong to slots)
-        rows_shrink, bucketed = self.shrink_batch and (keyed or mode.greedy), self.use_graphs or self.compiled
+        # how the decode batch follows the live sequences (_decode_rows; _refresh compacts only
+        # keyed or greedy runs: torch.rand draws belong to slots)
+        compacted_buckets = (keyed or mode.greedy) and (self.use_graphs or self.compiled)
+        follows = "whole" if not self.shrink_batch else "buckets" if compacted_buckets else "each_end"
         self._refresh(run, mode, keyed, stop_check)
-        deadline = run.next_deadline(self.slot_sample, rows_shrink, bucketed)
+        deadline = run.next_deadline(self.slot_sample, follows)
         while any(i is not None for i in self.slot_sample):
             rows = self._decode_rows()
             run_step(rows)
@@ -460,7 +469,7 @@ class RolloutEngine:
             if run.steps % self.check_every == 0 or run.steps >= deadline:
                 self._refresh(run, mode, keyed, stop_check)
                 run.checks += 1
-                deadline = run.next_deadline(self.slot_sample, rows_shrink, bucketed)
+                deadline = run.next_deadline(self.slot_sample, follows)
         self._sync()
         elapsed = time.perf_counter() - start
         timings = {"prefill_s": run.prefill_s, "capture_s": self.capture_s - capture_before,
