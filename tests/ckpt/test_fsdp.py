@@ -40,14 +40,15 @@ class DistGroup:
     """Every rank calls run_all in the same order: once all have arrived, each runs its own worker,
     and every rank gets every rank's result (what a Ray group gives its controller)."""
 
-    def __init__(self, worker):
-        self.worker, self.world_size = worker, dist.get_world_size()
+    def __init__(self, worker, process_group=None):
+        """process_group: where the calls' barrier and gather run (None: the default group)."""
+        self.worker, self.world_size, self.process_group = worker, dist.get_world_size(), process_group
 
     def run_all(self, method, per_worker_args=None):
-        dist.barrier()  # rank 0 has made the tmp dir before anyone writes into it
+        dist.barrier(group=self.process_group)  # rank 0 has made the tmp dir before anyone writes into it
         args = (per_worker_args or [()] * self.world_size)[dist.get_rank()]
         results = [None] * self.world_size
-        dist.all_gather_object(results, getattr(self.worker, method)(*args))
+        dist.all_gather_object(results, getattr(self.worker, method)(*args), group=self.process_group)
         return results
 
 

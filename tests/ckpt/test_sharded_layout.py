@@ -402,23 +402,6 @@ def _kill_settings(async_save: bool) -> CheckpointingConfig:
     return CheckpointingConfig(writers_per_rank=2, keep_top_k=2, verify_checksums=True, async_save=async_save)
 
 
-class ControlGroup(DistGroup):
-    """DistGroup over a process group of its own: the controller's calls (rank 0's commit thread
-    polling every rank's writers) run beside the FSDP collectives of the next step, as an async
-    save's persist overlaps the training loop."""
-
-    def __init__(self, worker, process_group):
-        super().__init__(worker)
-        self.process_group = process_group
-
-    def run_all(self, method, per_worker_args=None):
-        dist.barrier(group=self.process_group)
-        args = (per_worker_args or [()] * self.world_size)[dist.get_rank()]
-        results = [None] * self.world_size
-        dist.all_gather_object(results, getattr(self.worker, method)(*args), group=self.process_group)
-        return results
-
-
 def _rank_state(worker) -> dict:
     """What this rank saves, as comparable values: its rows of every weight and moment (a digest),
     its RNG states (digests) and the optimizer's param groups and scheduler."""
@@ -444,7 +427,10 @@ def _saving_rank(rank: int, rdzv: str, fault: str | None, model_dir: str, root: 
                                 timeout=timedelta(seconds=60))
         settings = _kill_settings(async_save)
         worker = Worker(model_dir, rank, KILL_WORLD, settings, shard=True)
-        group = ControlGroup(worker, dist.new_group(backend="gloo"))
+        # the controller's calls (rank 0's commit thread polling every rank's writers) on a group
+        # of their own, beside the next step's FSDP collectives, as an async save's persist
+        # overlaps the training loop
+        group = DistGroup(worker, dist.new_group(backend="gloo"))
         ckpt = Checkpointer(Path(root), settings, "{}\n", "test")
         if rank == 0:
             ckpt.prepare()  # as the controller does: claimed, debris removed
