@@ -466,7 +466,8 @@ class RolloutEngine:
             run_step(rows)
             run.steps += 1
             run.decode_batches.append(rows or slots)
-            if run.steps % self.check_every == 0 or run.steps >= deadline:
+            if run.steps >= deadline or (run.steps % self.check_every == 0
+                                         and self._check_pays(run, follows, rows, stop_check)):
                 self._refresh(run, mode, keyed, stop_check)
                 run.checks += 1
                 deadline = run.next_deadline(self.slot_sample, follows)
@@ -507,6 +508,29 @@ class RolloutEngine:
         # torch.rand draws go to slots: moving a sample would change its draws (keyed ones go with it)
         if self.shrink_batch and not run.waiting and (keyed or mode.greedy):
             self._compact(run)
+
+    def _check_pays(self, run: _Run, follows: str, rows: int | None, stop_check) -> bool:
+        """At a periodic check: does a full one (harvest, stop strings, admission, compaction) pay?
+        With nothing waiting and no stop strings it pays only once enough sequences have ended to
+        shrink the batch (or all have): that reads one number, the live count, so the device idles
+        for a launch rather than for the host's bookkeeping. Otherwise the live sequences get their
+        blocks up to the next check from positions the host knows (a live sequence advances one per
+        step since its admission); a pool too short for them needs the full check (preemption)."""
+        if run.waiting or stop_check is not None:
+            return True
+        live_slots = {s: i for s, i in enumerate(self.slot_sample) if i is not None}
+        still = int((~self.state.done).sum())  # the one device read
+        if still == 0 or (follows == "each_end" and still < len(live_slots)):
+            return True
+        if follows == "buckets" and batch_bucket(still) < (rows or len(self.slot_sample)):
+            return True
+        positions = {s: len(run.prompts[i]) + run.steps - run.admitted_at[s] for s, i in live_slots.items()}
+        short = sum(max(0, self.pool.blocks_for(self._lookahead(run, i, positions[s])) - len(self.pool.table[s]))
+                    for s, i in live_slots.items())
+        if short > len(self.pool.free):
+            return True
+        self._grow(run, positions)  # every grant fits: no preemption
+        return False
 
     def _harvest(self, run: _Run) -> dict[int, int]:
         """Copy the finished sequences' rows to the host and free their slots; returns the live

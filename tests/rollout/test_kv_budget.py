@@ -258,3 +258,19 @@ def test_length_caps_end_each_sequence_at_its_own_length_and_a_full_batch_engine
     assert len(kept.decode_batches) == max(caps) - 1
     with pytest.raises(ValueError, match="length_caps"):
         engine(model).generate(prompts(), NEW_TOKENS, mode, [1], 0, length_caps=[NEW_TOKENS + 1] * COUNT)
+
+
+def test_periodic_checks_that_cannot_pay_read_one_number_and_grow_blocks_from_host_positions(model):
+    # every sequence fits at once and runs to its cap (eos ignored): no end can shrink the batch
+    # before the last step, so of the 6 periodic checks (24 tokens, every 4) none is a full one;
+    # blocks are still granted as the sequences grow, from positions the host knows
+    batch = prompts()[:4]
+    paged = engine(model)
+    paged.kv_budget_bytes = budget(paged, 4, batch)
+    got = paged.generate(batch, NEW_TOKENS, SamplingMode(0.0), [1], 0, ignore_eos=True)
+    reference = engine(model).generate(batch, NEW_TOKENS, SamplingMode(0.0), [1], 0, ignore_eos=True)  # no budget
+    assert got.host_checks == 1  # the end of all, at the deadline (a full check every 4 steps made it 6)
+    assert got.tokens == reference.tokens
+    assert all(len(row) == NEW_TOKENS for row in got.tokens)
+    # each sequence ends holding exactly the blocks of its prompt and response (no grant skipped or doubled)
+    assert paged.pool.peak_used == sum(-(-(len(p) + NEW_TOKENS) // BLOCK) for p in batch)
