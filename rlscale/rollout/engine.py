@@ -8,9 +8,9 @@ A compiled decode step on CUDA attends through flex attention with a block mask 
 sequence's own cache blocks, built on the device every step, so one graph serves every length.
 On CUDA each (batch bucket, sampling mode) gets one captured graph: the whole batch's before the
 prefill of the first generation that needs it, a smaller bucket's at its first use; the host loop
-replays them and, every `check_every` steps (and when sequences running into their length caps
-free a slot a waiting prompt can take or let the rest fit a smaller batch), reads back which
-sequences have stopped. With `compile_decode` the step (forward and sampling) is
+replays them and, when sequences running into their length caps free a slot a waiting prompt can
+take or let the rest fit a smaller batch, reads back which sequences have stopped; every
+`check_every` steps it reads the live count and does the same only where ends (eos) pay. With `compile_decode` the step (forward and sampling) is
 compiled whole before capture. On CPU the same step runs eagerly (the path the tests exercise).
 
 Paged cache, admission, preemption, a shrinking batch: the KV cache is a pool of blocks of
