@@ -11,7 +11,8 @@ prefill of the first generation that needs it, a smaller bucket's at its first u
 replays them and, when sequences running into their length caps free a slot a waiting prompt can
 take or let the rest fit a smaller batch, reads back which sequences have stopped; every
 `check_every` steps it reads the live count and does the same only where ends (eos) pay. With
-`compile_decode` the step (forward and sampling) is compiled whole before capture. On CPU the same step runs eagerly (the path the tests exercise).
+`compile_decode` the step (forward and sampling) is compiled whole before capture. On CPU the
+same step runs eagerly (the path the tests exercise).
 
 Paged cache, admission, preemption, a shrinking batch: the KV cache is a pool of blocks of
 `block_size` positions (`forward.KVCache`; `blocks.BlockPool` keeps which blocks each slot's
