@@ -516,7 +516,8 @@ class RolloutEngine:
         shrink the batch (or all have): that reads one number, the live count, so the device idles
         for a launch rather than for the host's bookkeeping. Otherwise the live sequences get their
         blocks up to the next check from positions the host knows (a live sequence advances one per
-        step since its admission); a pool too short for them needs the full check (preemption)."""
+        step since its admission); a pool too short for them needs the full check (preemption,
+        from positions read on the device)."""
         if run.waiting or stop_check is not None:
             return True
         live_slots = {s: i for s, i in enumerate(self.slot_sample) if i is not None}
@@ -526,12 +527,7 @@ class RolloutEngine:
         if follows == "buckets" and batch_bucket(still) < (rows or len(self.slot_sample)):
             return True
         positions = {s: len(run.prompts[i]) + run.steps - run.admitted_at[s] for s, i in live_slots.items()}
-        short = sum(max(0, self.pool.blocks_for(self._lookahead(run, i, positions[s])) - len(self.pool.table[s]))
-                    for s, i in live_slots.items())
-        if short > len(self.pool.free):
-            return True
-        self._grow(run, positions)  # every grant fits: no preemption
-        return False
+        return not self._grow(run, positions, preempt=False)
 
     def _harvest(self, run: _Run) -> dict[int, int]:
         """Copy the finished sequences' rows to the host and free their slots; returns the live
@@ -580,21 +576,26 @@ class RolloutEngine:
             self.block_logical[physical] = logical
             self._taken = []
 
-    def _grow(self, run: _Run, positions: dict[int, int]) -> None:
+    def _grow(self, run: _Run, positions: dict[int, int], preempt: bool = True) -> bool:
         """Give every live sequence the blocks it writes into before the next check, oldest first.
         When the pool runs out, the newest live sequence is preempted: its blocks freed, its sample
         back at the head of the queue, to be prefilled again from its prompt (its tokens come out
-        the same: greedy, or keyed draws by sample and position)."""
+        the same: greedy, or keyed draws by sample and position). preempt=False: stop there instead
+        (the grants so far kept, the ones a full check would make first) and return False."""
         for s in sorted(positions, key=lambda s: (run.admitted_at[s], s)):
             while self.slot_sample[s] is not None:
                 new = self.pool.grow(s, self._lookahead(run, self.slot_sample[s], positions[s]))
                 if new is not None:
                     self._take_blocks(s, new)
                     break
+                if not preempt:
+                    self._push_blocks()
+                    return False
                 newest = max((t for t, i in enumerate(self.slot_sample) if i is not None),
                              key=lambda t: (run.admitted_at[t], t))
                 self._preempt(run, newest)
         self._push_blocks()
+        return True
 
     def _preempt(self, run: _Run, slot: int) -> None:
         sample = self.slot_sample[slot]
