@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rlscale.bench import code_revision, write_result
 
 
 def run(master: str, steps: int, lr: float, work: Path, extra: list[str]) -> dict:
@@ -49,15 +50,14 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "code": os.environ.get("RLSCALE_CODE"),
+    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "code": code_revision(),
            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__, "steps": args.steps, "lr": args.lr, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for master in args.masters:
             out["runs"].append(run(master, args.steps, args.lr, Path(tmp), args.set))
             print(json.dumps(out["runs"][-1]), flush=True)
-            if args.json:
-                args.json.write_text(json.dumps(out, indent=2) + "\n")
+            write_result(out, args.json)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlscale.bench import code_revision
 from rlscale.bench.gen import build_model
 from rlscale.rollout import RolloutEngine, SamplingMode, TensorParallel
 
@@ -112,12 +112,7 @@ def main() -> None:
 
     results = {"model": args.model, "batch": args.batch, "prompt_tokens": PROMPT_TOKENS, "new_tokens": args.new_tokens,
                "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-               "date": time.strftime("%Y-%m-%d"), "reps": REPS}
-    try:
-        code = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        code = ""
-    results["code"] = code or None
+               "date": time.strftime("%Y-%m-%d"), "code": code_revision(), "reps": REPS}
 
     def stage(name: str, fn):
         """Run one stage; a failure is recorded (its last traceback lines) and the others still run."""

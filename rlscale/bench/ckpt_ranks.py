@@ -28,7 +28,6 @@ import datetime
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 from datetime import timedelta
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from rlscale.bench import sync, write_result
+from rlscale.bench import code_revision, sync, write_result
 from rlscale.bench.ckpt import (MODELS, _dcp_stagers, bench_directory, drop_cache, format_table, measure_limits,
                                 qwen2_config, target_checks)
 from rlscale.ckpt import sharded
@@ -383,19 +382,6 @@ def rank_main(rank: int, world: int, rdzv: str, config, device_name: str, direct
         dist.destroy_process_group()
 
 
-def _code_rev() -> dict:
-    root = Path(__file__).resolve().parents[2]
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return {"git_rev": None}
-    if rev.returncode != 0:
-        return {"git_rev": None}
-    return {"git_rev": rev.stdout.strip(), "git_dirty": bool(dirty.stdout.strip()) if dirty.returncode == 0 else None}
-
-
 def aggregate(ranks: list[dict]) -> dict:
     """The run's numbers from every rank's: the slowest rank (or rank 0, the controller) per method."""
     world = len(ranks)
@@ -470,7 +456,7 @@ def run_ranked_benchmark(directory: Path | None, json_file: Path | None, size_gb
     out = {"bytes": nbytes, "ranks": ranks,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "code": _code_rev(), "torch": torch.__version__,
+           "code": code_revision(), "torch": torch.__version__,
            "model": model or f"qwen2-arch {per_rank[0]['params'] / 1e6:.0f}M", "params": per_rank[0]["params"],
            "dtype": "float32", "master_weights": "fp32", "writers_per_rank": writers, "dir": str(directory),
            "limits": limits,

@@ -13,14 +13,13 @@ runs out of memory is reported with its one-line error.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from rlscale.bench import write_result
+from rlscale.bench import code_revision, write_result
 from rlscale.bench.scale import train_overrides
 from rlscale.bench.step import GENERATIONS, PROMPTS, build_bpe_model, rlscale_overrides, versions
 from rlscale.telemetry.memory import metric_name
@@ -75,7 +74,7 @@ def mem_command(models: list[str], steps: int, overrides: list[str], json_file: 
     import torch
 
     cuda = torch.cuda.is_available()
-    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "code": os.environ.get("RLSCALE_CODE_REV"),
+    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "code": code_revision(),
            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "versions": versions(),
            "workload": {"prompts_per_step": PROMPTS, "generations_per_prompt": GENERATIONS, "max_new_tokens": NEW_TOKENS,
                         "max_total_sequence_length": MAX_LENGTH, "steps": steps, "tolerance": TOLERANCE},

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlscale.bench import write_result
+from rlscale.bench import code_revision, write_result
 from rlscale.bench.scale import QWEN2_SHAPES, run_one, save_random_qwen2
 from rlscale.telemetry.torch_profile import sections_line
 
@@ -251,7 +251,7 @@ def run_pairs(shape: str, steps: int, pairs: int, json_file: Path | None, trl_se
     import torch
 
     cuda = torch.cuda.is_available()
-    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "code": os.environ.get("RLSCALE_CODE_REV"),
+    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "code": code_revision(),
            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "model": shape, "steps": steps,
            "prompts_per_step": PROMPTS, "generations_per_prompt": GENERATIONS, "max_new_tokens": NEW_TOKENS,
            "versions": versions(), "rlscale_set": rlscale_set or [], "trl_set": trl_set or [],
