@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlscale.bench import code_revision
+from rlscale.bench import code_revision, write_result
 from rlscale.bench.gen import build_model
 from rlscale.rollout import RolloutEngine, SamplingMode, TensorParallel
 
@@ -164,7 +164,7 @@ def main() -> None:
     results["nccl_one_rank_graphs"] = summary("t1_eager", nccl_graphs, eager)
     results["nccl_one_rank_compiled"] = summary("t1_captured", nccl, captured)
     results["t2_gloo_eager"] = summary("t1_eager", t2, eager)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    write_result(results, args.out)
     print(json.dumps({k: v for k, v in results.items()}, indent=2))
 
 
