@@ -830,7 +830,8 @@ def _hint(cfg, shape, world, gpu, budget, best: Settings) -> str:
 
     s, phases, fits = fitting(no_bf16)
     if not fits:
-        larger = _larger_tensor_parallel(cfg, shape, world, gpu, budget, {**free, "master_weights": no_bf16}, best)
+        larger = _larger_tensor_parallel(cfg, shape, world, gpu, budget, {**free, "master_weights": no_bf16}, best) \
+            or _kv_budget_hint(cfg, shape, world, gpu, budget, {**free, "master_weights": no_bf16}, best)
         if larger:
             return larger
         more = next((n for n in (world * 2 ** k for k in range(1, 14)) if cfg.policy.train_global_batch_size % n == 0
@@ -875,6 +876,40 @@ def _larger_tensor_parallel(cfg, shape, world, gpu, budget, options, best: Setti
                     + [f"policy.generation.tensor_parallel_size={size}"] * (size != gen.tensor_parallel_size))
             return f"it fits with {_changed(cfg, s, best, ', '.join(keys))}, peak {_peak(phases).total / GB:.1f} GB"
     return None
+
+
+def _kv_budget_hint(cfg, shape, world, gpu, budget, options, best: Settings) -> str | None:
+    """'it fits with policy.generation.gpu_memory_utilization=U ...' for the largest U (to 0.01;
+    below the user's own) at which the run fits with a KV cache that holds one sequence at least:
+    the engine then generates its samples in waves of what the cache holds, on the GPUs there are;
+    None when no U does, or the engine runs without a KV budget here (CPU, backend=hf)."""
+    gen, length = cfg.policy.generation, -(-cfg.policy.max_total_sequence_length // 64) * 64
+    if gen.backend != "engine" or not gpu or not shape.engine_supported(length):
+        return None
+    top = 99 if gen.gpu_memory_utilization is None else math.ceil(gen.gpu_memory_utilization * 100) - 1
+
+    def at(percent: int):
+        limited = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={
+            "generation": gen.model_copy(update={"gpu_memory_utilization": percent / 100})})})
+        return _search(limited, shape, world, gpu, budget, options)
+
+    # a lower U only shrinks the cache (every phase holds it), so whether the run fits is monotone in U
+    low, high = 0, top + 1  # at(low) fits (or low is 0), at(high) does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if at(middle)[2] else (low, middle)
+    if low == 0:
+        return None
+    s, phases, _ = at(low)
+    kv = next(ph for ph in phases if ph.name == "generation").components["KV cache"]
+    sequence = sequence_kv_bytes(cfg, shape, gpu, s.master_weights)
+    if kv < sequence:
+        return None
+    unlimited = next(ph for ph in _phases(cfg, shape, s, world, gpu, None) if ph.name == "generation"
+                     ).components["KV cache"]
+    return (f"it fits with {_changed(cfg, s, best, f'policy.generation.gpu_memory_utilization={low / 100:g}')} "
+            f"(the rollout engine then holds {int(kv) // sequence} of its {int(unlimited) // sequence} sequences "
+            f"at once, generating in waves), peak {_peak(phases).total / GB:.1f} GB")
 
 
 def plan_for(cfg: Config) -> MemoryPlan:

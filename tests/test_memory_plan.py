@@ -649,6 +649,39 @@ def test_a_utilization_that_holds_no_sequence_is_refused_naming_the_key():
     assert enough.refusal() is None and enough.kv_budget_bytes >= SEQUENCE_1_5B
 
 
+# issue 27's one-GPU LoRA step: Qwen2.5-14B, rank 16, the bench's 256 samples of 320 positions
+LORA_14B = [*BENCH, "policy.model_name=Qwen/Qwen2.5-14B", "policy.max_total_sequence_length=320",
+            "policy.lora.enabled=true", "policy.lora.rank=16", "policy.lora.alpha=32"]
+SEQUENCE_14B = 320 * 2 * 48 * 1024 * 2  # 320 positions × keys and values × 48 layers × kv width 8 × 128 × bf16
+
+
+def test_a_run_that_fits_with_a_kv_budget_is_told_the_largest_utilization_that_fits():
+    # 80 GB: one slot per sample (256 × 320 positions, 16.1 GB of cache) puts the update over the usable
+    # 75.6 GB; the same GPU fits with the engine's KV cache under a budget, generating in waves
+    cfg, unlimited = plan([*LORA_14B, "cluster.gpu_memory_gb=80"], 80 * 10**9)
+    assert phase(unlimited, "generation").components["KV cache"] == 256 * SEQUENCE_14B
+    assert not unlimited.fits and unlimited.peak.name == "update"
+    util = float(unlimited.hint.split("gpu_memory_utilization=")[1].split(" ")[0])
+    _, fitting = plan([*LORA_14B, "cluster.gpu_memory_gb=80", f"policy.generation.gpu_memory_utilization={util}"],
+                      80 * 10**9)
+    _, above = plan([*LORA_14B, "cluster.gpu_memory_gb=80",
+                     f"policy.generation.gpu_memory_utilization={util + 0.01:.2f}"], 80 * 10**9)
+    assert fitting.fits and fitting.refusal() is None and not above.fits  # the largest, to 0.01
+    held = fitting.kv_budget_bytes // SEQUENCE_14B
+    assert 1 <= held < 256
+    assert unlimited.hint == (f"it fits with policy.generation.gpu_memory_utilization={util:g} (the rollout engine "
+                              f"then holds {held} of its 256 sequences at once, generating in waves), peak "
+                              f"{fitting.peak.total / GB:.1f} GB")
+    assert unlimited.refusal().endswith(unlimited.hint) and fitting.peak.total <= usable(80e9)
+    # a utilization the user set that does not fit: a lower one is named, never a higher one
+    _, own = plan([*LORA_14B, "cluster.gpu_memory_gb=80", "policy.generation.gpu_memory_utilization=0.99"],
+                  80 * 10**9)
+    assert not own.fits and f"policy.generation.gpu_memory_utilization={util:g} " in own.hint
+    # on CPU workers the engine has no KV budget: no such hint
+    _, cpu = plan([*LORA_14B, "cluster.gpu_memory_gb=80", "policy.device=cpu"], 80 * 10**9)
+    assert cpu.fits is False and "gpu_memory_utilization" not in cpu.hint
+
+
 def test_the_worker_gives_the_engine_the_plans_kv_budget(monkeypatch):
     """Not the fraction less what is allocated when the engine is built: that is before the moments exist."""
     from types import SimpleNamespace
