@@ -750,12 +750,8 @@ def _kv_budget(cfg, shape, s: Settings, world, gpu, budget, phases) -> tuple[int
                "CPU workers: the engine has one on CUDA only" if not gpu else "the engine does not run this model")
         return None, f"KV cache counted without policy.generation.gpu_memory_utilization={util} (slots × length): " \
                      f"{why}", None
-    generation = next(ph for ph in phases if ph.name == "generation")
-    kv = int(generation.components["KV cache"])
-    others = generation.total - kv
-    unlimited = next(ph for ph in _phases(cfg, shape, s, world, gpu, None) if ph.name == "generation"
-                     ).components["KV cache"]
-    sequence = sequence_kv_bytes(cfg, shape, gpu, s.master_weights)
+    kv, sequence, unlimited = _kv_sequences(cfg, shape, s, world, gpu, phases)
+    others = next(ph for ph in phases if ph.name == "generation").total - kv
     given = f"{util} × {budget / GB:.1f} GB less the {others / GB:.1f} GB the rest of the generation phase holds"
     note = f"KV budget (policy.generation.gpu_memory_utilization={util}): {given}: "
     if kv < sequence:
@@ -769,8 +765,22 @@ def _kv_budget(cfg, shape, s: Settings, world, gpu, budget, phases) -> tuple[int
             f"policy.max_total_sequence_length={cfg.policy.max_total_sequence_length} needs ({length} positions): "
             f"it fits with {larger}, a shorter policy.max_total_sequence_length or a larger "
             f"policy.generation.tensor_parallel_size (now {gen.tensor_parallel_size})")
-    return kv, note + (f"the cache takes {kv / GB:.2f} GB, {kv // sequence} of the {int(unlimited) // sequence} "
+    return kv, note + (f"the cache takes {kv / GB:.2f} GB, {kv // sequence} of the {unlimited // sequence} "
                        f"sequences of {length} positions at once"), None
+
+
+def _kv_sequences(cfg, shape, s: Settings, world, gpu, phases) -> tuple[int, int, int]:
+    """(the KV cache of `phases` per GPU, one sequence's, the cache of one slot per sample) in bytes."""
+    kv = int(next(ph for ph in phases if ph.name == "generation").components["KV cache"])
+    unlimited = next(ph for ph in _phases(cfg, shape, s, world, gpu, None) if ph.name == "generation"
+                     ).components["KV cache"]
+    return kv, sequence_kv_bytes(cfg, shape, gpu, s.master_weights), int(unlimited)
+
+
+def _with_generation(cfg: Config, **settings) -> Config:
+    """cfg with these policy.generation settings."""
+    generation = cfg.policy.generation.model_copy(update=settings)
+    return cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"generation": generation})})
 
 
 def _picks(cfg, shape, world, gpu, budget, options, chosen: Settings):
@@ -814,13 +824,14 @@ def _hint(cfg, shape, world, gpu, budget, best: Settings) -> str:
         + (shape.parameter_count() * c if gathered else 0)
     free = _options(cfg, shape, world, gpu, budget, free=True)
     no_bf16 = [m for m in free["master_weights"] if m != "bf16" or cfg.policy.master_weights == m]
+    keep_master = {**free, "master_weights": no_bf16}
     if floor > usable:
         dtype = "bf16" if c == 2 else "fp32"
         copy = f"whole {dtype} copy" if tp == 1 else f"{dtype} shard (1/{tp} of its weights)"
         what = (f"the rollout engine's {copy}{' and the gathered policy' if gathered else ''}" if engine
                 else f"the gathered {dtype} policy (transformers generate gathers it)")
         why = f"{what} alone take{'' if engine and gathered else 's'} {floor / GB:.1f} GB per GPU at any GPU count"
-        larger = _larger_tensor_parallel(cfg, shape, world, gpu, budget, {**free, "master_weights": no_bf16}, best)
+        larger = _larger_tensor_parallel(cfg, shape, world, gpu, budget, keep_master, best)
         return f"{why}: {larger}" if larger else (
             f"{why}, and at no policy.generation.tensor_parallel_size up to cluster.gpus_per_node="
             f"{cfg.cluster.gpus_per_node} that the model allows it fits")
@@ -830,8 +841,8 @@ def _hint(cfg, shape, world, gpu, budget, best: Settings) -> str:
 
     s, phases, fits = fitting(no_bf16)
     if not fits:
-        larger = _larger_tensor_parallel(cfg, shape, world, gpu, budget, {**free, "master_weights": no_bf16}, best) \
-            or _kv_budget_hint(cfg, shape, world, gpu, budget, {**free, "master_weights": no_bf16}, best)
+        larger = _larger_tensor_parallel(cfg, shape, world, gpu, budget, keep_master, best) \
+            or _kv_budget_hint(cfg, shape, world, gpu, budget, keep_master, best)
         if larger:
             return larger
         more = next((n for n in (world * 2 ** k for k in range(1, 14)) if cfg.policy.train_global_batch_size % n == 0
@@ -868,9 +879,8 @@ def _larger_tensor_parallel(cfg, shape, world, gpu, budget, options, best: Setti
     for size in range(1 if switch else gen.tensor_parallel_size + 1, per_node + 1):
         if per_node % size or shape.tensor_parallel_problem(size):
             continue
-        larger = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={
-            "generation": gen.model_copy(update={"tensor_parallel_size": size, "backend": "engine"})})})
-        s, phases, fits = _search(larger, shape, world, gpu, budget, options)
+        s, phases, fits = _search(_with_generation(cfg, tensor_parallel_size=size, backend="engine"), shape, world,
+                                  gpu, budget, options)
         if fits:
             keys = (["policy.generation.backend=engine"] * switch
                     + [f"policy.generation.tensor_parallel_size={size}"] * (size != gen.tensor_parallel_size))
@@ -883,15 +893,13 @@ def _kv_budget_hint(cfg, shape, world, gpu, budget, options, best: Settings) -> 
     below the user's own) at which the run fits with a KV cache that holds one sequence at least:
     the engine then generates its samples in waves of what the cache holds, on the GPUs there are;
     None when no U does, or the engine runs without a KV budget here (CPU, backend=hf)."""
-    gen, length = cfg.policy.generation, -(-cfg.policy.max_total_sequence_length // 64) * 64
-    if gen.backend != "engine" or not gpu or not shape.engine_supported(length):
+    util = cfg.policy.generation.gpu_memory_utilization
+    top = 99 if util is None else math.ceil(util * 100) - 1
+    if top < 1 or not kv_limited(_with_generation(cfg, gpu_memory_utilization=top / 100), shape, gpu, budget):
         return None
-    top = 99 if gen.gpu_memory_utilization is None else math.ceil(gen.gpu_memory_utilization * 100) - 1
 
     def at(percent: int):
-        limited = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={
-            "generation": gen.model_copy(update={"gpu_memory_utilization": percent / 100})})})
-        return _search(limited, shape, world, gpu, budget, options)
+        return _search(_with_generation(cfg, gpu_memory_utilization=percent / 100), shape, world, gpu, budget, options)
 
     # a lower U only shrinks the cache (every phase holds it), so whether the run fits is monotone in U
     low, high = 0, top + 1  # at(low) fits (or low is 0), at(high) does not
@@ -901,14 +909,11 @@ def _kv_budget_hint(cfg, shape, world, gpu, budget, options, best: Settings) -> 
     if low == 0:
         return None
     s, phases, _ = at(low)
-    kv = next(ph for ph in phases if ph.name == "generation").components["KV cache"]
-    sequence = sequence_kv_bytes(cfg, shape, gpu, s.master_weights)
+    kv, sequence, unlimited = _kv_sequences(cfg, shape, s, world, gpu, phases)
     if kv < sequence:
         return None
-    unlimited = next(ph for ph in _phases(cfg, shape, s, world, gpu, None) if ph.name == "generation"
-                     ).components["KV cache"]
     return (f"it fits with {_changed(cfg, s, best, f'policy.generation.gpu_memory_utilization={low / 100:g}')} "
-            f"(the rollout engine then holds {int(kv) // sequence} of its {int(unlimited) // sequence} sequences "
+            f"(the rollout engine then holds {kv // sequence} of its {unlimited // sequence} sequences "
             f"at once, generating in waves), peak {_peak(phases).total / GB:.1f} GB")
 
 
