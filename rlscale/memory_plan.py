@@ -218,6 +218,12 @@ def load_shape(model_name: str) -> ModelShape | None:
     return KNOWN_SHAPES.get(name.removesuffix("-instruct"))
 
 
+def cache_length(cfg: Config) -> int:
+    """The rollout engine's cache length: policy.max_total_sequence_length rounded up to 64, as
+    rlscale.workers.policy builds the engine (spelled out here: importing the engine pulls in torch)."""
+    return -(-cfg.policy.max_total_sequence_length // 64) * 64
+
+
 def check_tensor_parallel(cfg: Config, shape: ModelShape | None) -> None:
     """policy.generation.tensor_parallel_size against the model's shape (config.json, no weights):
     a UserError (one line) when the rollout engine cannot split it; nothing to check without a shape.
@@ -227,7 +233,7 @@ def check_tensor_parallel(cfg: Config, shape: ModelShape | None) -> None:
     size, p = cfg.policy.generation.tensor_parallel_size, cfg.policy
     if size == 1 or shape is None:
         return
-    reason = shape.engine_unsupported_reason(-(-p.max_total_sequence_length // 64) * 64)
+    reason = shape.engine_unsupported_reason(cache_length(cfg))
     if reason:
         raise UserError(f"policy.generation.tensor_parallel_size={size} needs the rollout engine, which does not "
                         f"run {p.model_name} ({reason}; it would fall back to transformers generate)")
@@ -338,13 +344,13 @@ def kv_limited(cfg: Config, shape: ModelShape, gpu: bool, budget: int | None) ->
     memory known."""
     gen = cfg.policy.generation
     return (gen.gpu_memory_utilization is not None and gen.backend == "engine" and gpu and budget is not None
-            and shape.engine_supported(-(-cfg.policy.max_total_sequence_length // 64) * 64))
+            and shape.engine_supported(cache_length(cfg)))
 
 
 def sequence_kv_bytes(cfg: Config, shape: ModelShape, gpu: bool, master: str) -> int:
     """One sequence's KV cache on one GPU of the engine: max_total_sequence_length rounded up to
     64 (the engine's cache length) × keys and values × layers × this rank's kv width × compute bytes."""
-    length = -(-cfg.policy.max_total_sequence_length // 64) * 64
+    length = cache_length(cfg)
     local = shape.tensor_parallel_shard(cfg.policy.generation.tensor_parallel_size)
     return length * 2 * shape.num_hidden_layers * local.kv_width * _compute_bytes(cfg, gpu, master)
 
@@ -380,7 +386,7 @@ def _phases(cfg: Config, shape: ModelShape, s: Settings, world: int, gpu: bool, 
     scale = c / 2
 
     # the rollout engine: its KV cache is kept from one generation to the next (validation's too)
-    length = -(-p.max_total_sequence_length // 64) * 64
+    length = cache_length(cfg)
     engine = p.generation.backend == "engine" and shape.engine_supported(length)
     tp = p.generation.tensor_parallel_size if engine else 1
     local = shape.tensor_parallel_shard(tp)  # what one GPU of the engine's group holds
@@ -741,7 +747,7 @@ def _size(nbytes: int) -> str:
 def _kv_budget(cfg, shape, s: Settings, world, gpu, budget, phases) -> tuple[int | None, str | None, str | None]:
     """(the engine's KV budget per GPU, a note on it for the table, a refusal when it holds no
     sequence) under policy.generation.gpu_memory_utilization; (None, a note or None, None) without one."""
-    gen, length = cfg.policy.generation, -(-cfg.policy.max_total_sequence_length // 64) * 64
+    gen, length = cfg.policy.generation, cache_length(cfg)
     util = gen.gpu_memory_utilization
     if not kv_limited(cfg, shape, gpu, budget):
         if util is None or gen.backend != "engine":
@@ -873,7 +879,7 @@ def _larger_tensor_parallel(cfg, shape, world, gpu, budget, options, best: Setti
     (a divisor of cluster.gpus_per_node) and the model's shape allow and at which the run fits, the
     plan picking the settings the user left open; None when none does or the engine cannot run it."""
     gen, per_node = cfg.policy.generation, cfg.cluster.gpus_per_node
-    if not shape.engine_supported(-(-cfg.policy.max_total_sequence_length // 64) * 64):
+    if not shape.engine_supported(cache_length(cfg)):
         return None
     switch = gen.backend != "engine"
     for size in range(1 if switch else gen.tensor_parallel_size + 1, per_node + 1):
