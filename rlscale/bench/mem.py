@@ -26,6 +26,7 @@ from rlscale.telemetry.memory import metric_name
 
 NEW_TOKENS, MAX_LENGTH = 448, 512
 TOLERANCE = 0.15  # the plan is trusted to this fraction of the measured peak, phase by phase
+STDERR_TAIL_LINES = 40  # of a failed run's stderr, kept in the JSON
 
 
 def compare(plan: dict, rows: list[dict]) -> list[dict]:
@@ -61,7 +62,9 @@ def measure(shape: str, steps: int, overrides: list[str], work: Path) -> dict:
     rows = [r for r in rows if "time/step_s" in r]
     lines = done.stderr.strip().splitlines()
     result.update(status="ok" if done.returncode == 0 else "failed", returncode=done.returncode,
-                  error=lines[-1] if done.returncode and lines else None, plan=plan, steps_run=len(rows),
+                  error=lines[-1] if done.returncode and lines else None,
+                  # the last line alone often only says where to look (a CUDA assert): keep what led to it
+                  stderr_tail=lines[-STDERR_TAIL_LINES:] if done.returncode else None, plan=plan, steps_run=len(rows),
                   step_s=[round(r["time/step_s"], 3) for r in rows],
                   response_length_mean=[r.get("response/length_mean") for r in rows])
     if plan is not None:
