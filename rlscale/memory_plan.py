@@ -219,8 +219,8 @@ def load_shape(model_name: str) -> ModelShape | None:
 
 
 def cache_length(cfg: Config) -> int:
-    """The rollout engine's cache length: policy.max_total_sequence_length rounded up to 64, as
-    rlscale.workers.policy builds the engine (spelled out here: importing the engine pulls in torch)."""
+    """The rollout engine's cache length: policy.max_total_sequence_length rounded up to 64.
+    rlscale.workers.policy builds the engine with it, so the plan counts the cache the engine holds."""
     return -(-cfg.policy.max_total_sequence_length // 64) * 64
 
 

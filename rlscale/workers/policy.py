@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from rlscale import memory_plan
 from rlscale.config import Config, derive_sizes, token_budget
 from rlscale.errors import UserError
 from rlscale.grpo.loss import grpo_token_loss, importance_weights, kl_estimate, loss_weights
@@ -26,7 +27,7 @@ from rlscale.models.logprob_head import packed_logprobs
 from rlscale.models.lora import BaseNamesView, adapters_disabled, merged_by_layer, merged_pairs
 from rlscale.models.prompts import decode_responses
 from rlscale.workers.batch import Rollouts, TrainBatch
-from rlscale.rollout import (RolloutEngine, SamplingParams, StopStrings, TensorParallel, round_up,
+from rlscale.rollout import (RolloutEngine, SamplingParams, StopStrings, TensorParallel,
                              unsupported_reason)
 from rlscale.telemetry.memory import PhasePeaks
 from rlscale.telemetry.torch_profile import CallProfiler
@@ -244,7 +245,7 @@ class PolicyWorker(state_io.CheckpointableWorker):
         if gen.backend != "engine" or self._rollout_unsupported:
             return None
         if self._rollout is None:
-            max_length = round_up(self.cfg.policy.max_total_sequence_length, 64)
+            max_length = memory_plan.cache_length(self.cfg)  # the length the plan counts
             reason = unsupported_reason(self.model.config, max_length)
             if reason:
                 self._rollout_unsupported = True
@@ -268,8 +269,6 @@ class PolicyWorker(state_io.CheckpointableWorker):
         here from the model's config and the run's settings: arithmetic only), not the fraction less
         what is allocated now: the engine is built at the first generation, before the optimizer's
         moments exist, and such a budget would overshoot once they do."""
-        from rlscale import memory_plan
-
         total = torch.cuda.get_device_properties(self.device).total_memory
         gb = self.cfg.cluster.gpu_memory_gb  # the plan's budget where the user gave one (memory_plan.budget_bytes)
         shape = memory_plan.ModelShape.from_config(self.model.config.to_dict())
