@@ -221,7 +221,10 @@ class RolloutEngine:
         self.weights = DecodeWeights(source_model, self.device, dtype, self.tp, sync)
         self.shape = self.weights.shape
         self.max_length = max_length
-        cos, sin = rotary_table(source_model, max_length, self.device, dtype)
+        # a row for every position a block table of max_length addresses: a finished slot runs on
+        # (its outputs discarded) up to its table's last position, past max_length when block_size
+        # does not divide it (a CUDA graph's batch bucket steps freed slots through a whole wave)
+        cos, sin = rotary_table(source_model, max_length, self.device, dtype, rows=round_up(max_length, block_size))
         if decode_attention == "auto":
             # flex attention is fast only as compiled code: the compiled step on CUDA (CPU runs eagerly)
             decode_attention = "flex" if compile_decode and self.device.type == "cuda" else "sdpa"

@@ -88,13 +88,20 @@ def physical_positions(block_table: torch.Tensor, positions: torch.Tensor, block
     return (block_table.gather(1, blocks) * block_size + flat % block_size).view(positions.shape)
 
 
-def rotary_table(source_model, max_length: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for positions 0..max_length-1 from the model's own rotary module (any rope scaling)."""
+def rotary_table(source_model, max_length: int, device, dtype,
+                 rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for positions 0..max_length-1 from the model's own rotary module (any rope scaling).
+    rows (>= max_length): the table's length, the positions past max_length given the last one's
+    angles; no live token sits there, and asking the module for them could rescale every angle
+    (dynamic rope recomputes its frequencies past the model's trained length)."""
     rotary = source_model.model.rotary_emb
     positions = torch.arange(max_length, device=rotary.inv_freq.device)[None]
     probe = torch.empty(0, device=rotary.inv_freq.device, dtype=dtype)
-    cos, sin = rotary(probe, positions)
-    return cos[0].to(device=device, dtype=dtype), sin[0].to(device=device, dtype=dtype)
+    cos, sin = (t[0].to(device=device, dtype=dtype) for t in rotary(probe, positions))
+    extra = (rows or max_length) - max_length
+    if extra < 0:
+        raise ValueError(f"rotary table of {rows} rows for max_length {max_length}")
+    return torch.cat([cos, cos[-1:].expand(extra, -1)]), torch.cat([sin, sin[-1:].expand(extra, -1)])
 
 
 FLEX_KV_BLOCK = 128  # cache positions per block of the flex block mask (flex attention's default)

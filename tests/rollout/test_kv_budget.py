@@ -274,3 +274,23 @@ def test_periodic_checks_that_cannot_pay_read_one_number_and_grow_blocks_from_ho
     assert all(len(row) == NEW_TOKENS for row in got.tokens)
     # each sequence ends holding exactly the blocks of its prompt and response (no grant skipped or doubled)
     assert paged.pool.peak_used == sum(-(-(len(p) + NEW_TOKENS) // BLOCK) for p in batch)
+
+
+def test_freed_slots_stepping_through_later_waves_stay_within_the_rotary_table(model):
+    # A freed slot that a decode step still covers (every slot here, as a CUDA graph's batch bucket
+    # covers the free slots above the live ones) runs on to its block table's last position: 96
+    # with blocks of 48 for a 64-position cache, past max_length. That once indexed the rotary
+    # table out of bounds (a device-side assert in the first budgeted GRPO generation on CUDA).
+    new_tokens, mode = 40, MODES["greedy"]
+
+    def run(budget_slots):
+        out = RolloutEngine(model, torch.device("cpu"), torch.float32, max_length=64, check_every=4, block_size=48,
+                            shrink_batch=False)
+        if budget_slots is not None:
+            out.kv_budget_bytes = budget(out, budget_slots, prompts(), new_tokens)
+        return out, out.generate(prompts(), new_tokens, mode, [1], 0, ignore_eos=True, seed=SEED)
+
+    _, reference = run(None)
+    budgeted, got = run(SLOTS)
+    assert got.waves > 1 and int(budgeted.state.positions.max()) >= 64
+    assert got.tokens == reference.tokens
